@@ -1,0 +1,76 @@
+"""Active health probes: a dead replica is ejected, a recovered one readmitted.
+
+Each round probes every replica of the current snapshot concurrently. A replica
+that has no configured models gets them from its ``/v1/models`` on each
+successful probe, so a backend that changes what it serves is followed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import anyio
+import httpx
+
+from backends.pool import BackendSet
+from backends.replica import Replica
+from gateway.settings import HealthConfig
+
+log = logging.getLogger("kneecap.health")
+
+
+async def probe(client: httpx.AsyncClient, replica: Replica, config: HealthConfig) -> bool:
+    headers = {}
+    key = replica.config.resolved_api_key()
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    try:
+        response = await client.get(
+            replica.url + config.path, headers=headers, timeout=config.timeout_s
+        )
+        if response.status_code != 200:
+            return False
+        if not replica.config.models:
+            models = await client.get(
+                replica.url + "/v1/models", headers=headers, timeout=config.timeout_s
+            )
+            models.raise_for_status()
+            replica.discovered_models = frozenset(m["id"] for m in models.json().get("data", []))
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+async def probe_all(
+    client: httpx.AsyncClient,
+    backends: BackendSet,
+    config: HealthConfig,
+    on_change: Callable[[Replica], None],
+) -> None:
+    async def one(replica: Replica) -> None:
+        ok = await probe(client, replica, config)
+        if ok != replica.healthy:
+            (log.info if ok else log.warning)("backend %s is %s", replica.name, "up" if ok else "DOWN")
+        was = replica.healthy
+        replica.healthy = ok
+        if ok:
+            replica.consecutive_failures = 0
+        if ok != was:
+            on_change(replica)
+
+    async with anyio.create_task_group() as group:
+        for replica in backends.replicas:
+            group.start_soon(one, replica)
+
+
+async def health_loop(
+    client: httpx.AsyncClient,
+    current: Callable[[], tuple[BackendSet, HealthConfig]],
+    on_change: Callable[[Replica], None],
+) -> None:
+    """Runs until cancelled; reads the snapshot each round so reloads apply."""
+    while True:
+        backends, config = current()
+        await probe_all(client, backends, config, on_change)
+        await anyio.sleep(config.interval_s)

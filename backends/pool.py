@@ -1,0 +1,55 @@
+"""The set of replicas one config snapshot routes over, rebuilt on reload.
+
+A rebuilt set reuses the :class:`Replica` of every backend whose name and URL
+are unchanged, so health, in-flight counts and limits survive a reload; a
+removed replica simply stops receiving new requests and drains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from backends.replica import Replica
+from gateway.settings import BackendConfig
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSet:
+    replicas: tuple[Replica, ...] = ()
+    _by_name: dict[str, Replica] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        configs: Iterable[BackendConfig],
+        previous: BackendSet | None = None,
+        resolved_urls: Mapping[str, str] | None = None,
+    ) -> BackendSet:
+        old = previous._by_name if previous else {}
+        urls = resolved_urls or {}
+        replicas = []
+        for config in configs:
+            url = (config.url or urls.get(config.name, "")).rstrip("/")
+            kept = old.get(config.name)
+            if kept is not None and kept.url == url:
+                kept.config = config
+                replicas.append(kept)
+            else:
+                replicas.append(Replica(config=config, url=url))
+        return cls(tuple(replicas), {r.name: r for r in replicas})
+
+    def get(self, name: str) -> Replica | None:
+        return self._by_name.get(name)
+
+    def in_pool(self, pool: str) -> list[Replica]:
+        return [r for r in self.replicas if r.pool == pool]
+
+    def serving(self, model: str) -> list[Replica]:
+        return [r for r in self.replicas if model in r.models]
+
+    def healthy_models(self) -> list[str]:
+        return sorted({m for r in self.replicas if r.healthy for m in r.models})
+
+    def any_healthy(self) -> bool:
+        return any(r.healthy for r in self.replicas)

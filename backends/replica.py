@@ -1,0 +1,56 @@
+"""A backend replica: its config plus the live state that survives reloads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.settings import BackendConfig
+
+UNLIMITED = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineGauges:
+    """What the engine's own /metrics said at ``scraped_at`` (monotonic)."""
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    scraped_at: float | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    config: BackendConfig
+    url: str
+    in_flight: int = 0
+    limit: int = UNLIMITED
+    healthy: bool = False  # unknown until the first probe answers
+    consecutive_failures: int = 0
+    discovered_models: frozenset[str] = frozenset()
+    engine: EngineGauges = field(default_factory=EngineGauges)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def pool(self) -> str:
+        return self.config.pool
+
+    @property
+    def models(self) -> frozenset[str]:
+        return frozenset(self.config.models) if self.config.models else self.discovered_models
+
+    @property
+    def has_room(self) -> bool:
+        return self.healthy and self.in_flight < self.limit
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+
+    def record_failure(self, threshold: int) -> None:
+        """Passive ejection: enough failures in a row take the replica out."""
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= threshold:
+            self.healthy = False

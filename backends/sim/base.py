@@ -1,0 +1,63 @@
+"""The contract between the simulated engine and everything that drives it.
+
+Two kinds of driver use an engine:
+
+* the HTTP face (``backends.sim.server``) on a real clock, through
+  :class:`AsyncEngine`: one async iterator of :class:`TokenEvent` per request;
+  closing the iterator early (client went away) frees the sequence;
+* the benchmark and whole-system simulations on a virtual clock, through the
+  discrete-event API of the engine core (``backends.sim.virtual``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length"]
+EngineFlavor = Literal["vllm", "sglang"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    ignore_eos: bool = False
+    # Seeds the pseudo-random EOS draw so that a request replays identically.
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    index: int  # 0-based position of this output token
+    finish_reason: FinishReason | None  # set on the last token only
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float  # 0..1 of the KV cache in use
+    preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class AsyncEngine(Protocol):
+    """What the HTTP face needs from an engine running on a real clock."""
+
+    flavor: EngineFlavor
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def render_metrics(self) -> bytes:
+        """Prometheus text exposition under the real engine's metric names."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...

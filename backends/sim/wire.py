@@ -1,0 +1,107 @@
+"""vLLM's exact OpenAI wire format for the simulated backend (compact JSON, SSE)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+WORDS = ("the", " knee", " of", " every", " curve", " is", " where", " latency", " bends", ".")
+
+
+def token_text(seed: int, index: int) -> str:
+    return WORDS[(seed * 31 + index * 7) % len(WORDS)]
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """id and created of one response; fixed by the body when the client sends a seed."""
+
+    id: str
+    created: int
+
+    @classmethod
+    def for_request(cls, prefix: str, payload: dict[str, Any]) -> Identity:
+        if isinstance(payload.get("seed"), int):
+            # stream_options is left out: a gateway may add it without changing the answer.
+            canonical = {k: v for k, v in payload.items() if k != "stream_options"}
+            digest = hashlib.sha256(dumps(canonical)).hexdigest()[:24]
+            return cls(f"{prefix}-{digest}", 1_700_000_000 + payload["seed"] % 1_000_000)
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+
+def chat_chunk(ident: Identity, model: str, delta: dict[str, Any], finish: str | None) -> bytes:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if finish is not None:
+        choice["stop_reason"] = None
+    return sse(
+        {
+            "id": ident.id,
+            "object": "chat.completion.chunk",
+            "created": ident.created,
+            "model": model,
+            "choices": [choice],
+        }
+    )
+
+
+def completion_chunk(ident: Identity, model: str, text: str, finish: str | None) -> bytes:
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+    }
+    return sse(
+        {
+            "id": ident.id,
+            "object": "text_completion",
+            "created": ident.created,
+            "model": model,
+            "choices": [choice],
+        }
+    )
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+
+
+def usage_chunk(
+    ident: Identity, model: str, object_name: str, prompt: int, completion: int
+) -> bytes:
+    return sse(
+        {
+            "id": ident.id,
+            "object": object_name,
+            "created": ident.created,
+            "model": model,
+            "choices": [],
+            "usage": usage(prompt, completion),
+        }
+    )
+
+
+def error(message: str, error_type: str, status: int, param: str | None = None) -> bytes:
+    return dumps(
+        {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    )

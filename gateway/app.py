@@ -1,0 +1,111 @@
+"""``create_app(settings)``: everything shared by requests is built in the lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+
+import anyio
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+
+from backends.health import health_loop, probe_all
+from gateway.config_watch import watch_config_file
+from gateway.errors import GatewayError, NotFound, error_body, openai_error_response
+from gateway.middleware import RequestIdMiddleware
+from gateway.routes import ROUTES
+from gateway.runtime import Runtime, Snapshot
+from gateway.settings import Settings
+
+log = logging.getLogger("kneecap")
+
+
+def build_client(settings: Settings) -> httpx.AsyncClient:
+    upstream = settings.upstream
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            connect=upstream.connect_timeout_s,
+            read=upstream.read_timeout_s,
+            write=upstream.read_timeout_s,
+            pool=upstream.connect_timeout_s,
+        ),
+        limits=httpx.Limits(
+            max_connections=upstream.max_connections,
+            max_keepalive_connections=upstream.max_connections,
+        ),
+        trust_env=False,
+    )
+
+
+async def _gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return openai_error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return openai_error_response(NotFound(f"no route for {request.url.path}"))
+    body = error_body(str(exc.detail), "invalid_request_error", None, None)
+    return Response(body, status_code=exc.status_code, media_type="application/json")
+
+
+def create_app(
+    settings: Settings,
+    *,
+    config_path: str | Path | None = None,
+    sim_urls: Mapping[str, str] | None = None,
+) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Runtime]]:
+        client = build_client(settings)
+        urls = dict(sim_urls or {})
+        runtime = Runtime(
+            current=Snapshot.build(settings, None, urls),
+            client=client,
+            config_path=Path(config_path) if config_path else None,
+            sim_urls=urls,
+        )
+
+        def health_view():
+            snapshot = runtime.current
+            return snapshot.backends, snapshot.settings.health
+
+        # One probe round before serving, so /ready and routing start informed.
+        await probe_all(client, runtime.current.backends, settings.health, runtime.notify)
+        async with anyio.create_task_group() as group:
+            group.start_soon(health_loop, client, health_view, runtime.notify)
+            if settings.watch_config and runtime.config_path:
+                group.start_soon(watch_config_file, runtime)
+            _install_sighup(runtime)
+            try:
+                yield {"runtime": runtime}
+            finally:
+                for admission in runtime.admissions.values():
+                    admission.close()
+                group.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await client.aclose()
+
+    return Starlette(
+        routes=ROUTES,
+        middleware=[Middleware(RequestIdMiddleware)],
+        exception_handlers={GatewayError: _gateway_error, HTTPException: _http_error},
+        lifespan=lifespan,
+    )
+
+
+def _install_sighup(runtime: Runtime) -> None:
+    try:
+        import asyncio
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, runtime.reload)
+    except (RuntimeError, NotImplementedError, ValueError):
+        log.debug("SIGHUP reload unavailable here (not the main thread)")

@@ -1,0 +1,160 @@
+"""``kneecap``: serve | sim | check-config | bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import anyio
+import uvicorn
+
+from gateway.embedded import DEFAULT_MODEL
+from gateway.settings import ConfigError, Settings, load_settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.app import create_app
+    from gateway.serving import build_embedded_sims, serve_with_sims, server_config
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"kneecap: invalid config:\n{exc}", file=sys.stderr)
+        return 1
+    host = args.host or settings.listen.host
+    port = args.port if args.port is not None else settings.listen.port
+    sims = build_embedded_sims(settings.backends)
+    app = create_app(settings, config_path=args.config, sim_urls={s.name: s.url for s in sims})
+    gateway = uvicorn.Server(server_config(app, host, port, log_level=args.log_level))
+    _print_banner(settings, host, port, sims)
+    anyio.run(serve_with_sims, gateway, sims)
+    return 0
+
+
+def _print_banner(settings: Settings, host: str, port: int, sims: Sequence[object]) -> None:
+    base = f"http://{host}:{port}/v1"
+    print(f"kneecap gateway on http://{host}:{port}  ({len(settings.backends)} backends)")
+    for backend in settings.backends:
+        where = backend.url or next(s.url for s in sims if s.name == backend.name)  # type: ignore[attr-defined]
+        kind = "simulated " if backend.url is None else ""
+        print(f"  {backend.name:<14} pool={backend.pool:<6} {kind}{backend.engine} at {where}")
+    model = next((m for b in settings.backends for m in b.models), DEFAULT_MODEL)
+    print(
+        "\nPoint the OpenAI SDK at it:\n"
+        "  from openai import OpenAI\n"
+        f'  client = OpenAI(base_url="{base}", api_key="x")\n'
+        f'  client.chat.completions.create(model="{model}", '
+        'messages=[{"role": "user", "content": "hi"}], stream=True)\n'
+        "Ctrl-C stops it.",
+        flush=True,
+    )
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from backends.sim.factory import make_engine
+    from backends.sim.server import create_sim_app
+    from gateway.serving import server_config
+
+    if args.list_profiles:
+        from backends.sim.profiles import format_profiles
+
+        print(format_profiles())
+        return 0
+    if args.calibrate:
+        from backends.sim.calibration import calibration_table
+
+        print(calibration_table())
+        return 0
+    engine = make_engine(
+        model=args.model,
+        profile=args.profile,
+        ttft_ms=args.ttft_ms,
+        itl_ms=args.itl_ms,
+        speed=args.speed,
+        seed=args.seed,
+        flavor=args.engine,
+    )
+    what = args.profile or f"fixed ttft={args.ttft_ms}ms itl={args.itl_ms}ms"
+    print(f"kneecap sim: {args.model} ({what}, speed {args.speed}x) on http://{args.host}:{args.port}", flush=True)
+    server = uvicorn.Server(server_config(create_sim_app(engine, args.model), args.host, args.port))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.file)
+    except ConfigError as exc:
+        print(f"{args.file}: invalid config:\n{exc}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: ok")
+    print(f"  listen {settings.listen.host}:{settings.listen.port}")
+    for name, pool in settings.pools.items():
+        upper = pool.max_prompt_tokens if pool.max_prompt_tokens is not None else "∞"
+        members = [b.name for b in settings.backends if b.pool == name]
+        print(f"  pool {name}: prompts [{pool.min_prompt_tokens}, {upper}) tokens, backends: {', '.join(members) or '-'}")
+    auth = settings.auth
+    print(f"  client keys: {len(auth.client_keys())}, admin token: {'set' if auth.admin_token else 'none'}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from gateway.bench.command import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kneecap", description="Adaptive OpenAI-compatible LLM gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway (embedded simulated backends without a config)")
+    serve.add_argument("--config", help="YAML config file (default: $KNEECAP_CONFIG, else embedded)")
+    serve.add_argument("--host", help="listen address (overrides config)")
+    serve.add_argument("--port", type=int, help="listen port (overrides config)")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_serve)
+
+    sim = sub.add_parser("sim", help="run a simulated vLLM/SGLang backend")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=8100)
+    sim.add_argument("--model", default=DEFAULT_MODEL)
+    sim.add_argument("--profile", help="calibrated engine profile, e.g. qwen3-4b/l40s/bf16/vllm")
+    sim.add_argument("--ttft-ms", type=float, default=50.0, help="fixed TTFT when no profile")
+    sim.add_argument("--itl-ms", type=float, default=15.0, help="fixed ITL when no profile")
+    sim.add_argument("--speed", type=float, default=1.0, help="run K times faster than real time")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="metric names")
+    sim.add_argument("--list-profiles", action="store_true")
+    sim.add_argument("--calibrate", action="store_true", help="print simulator vs field figures")
+    sim.set_defaults(func=_sim)
+
+    check = sub.add_parser("check-config", help="validate a config file")
+    check.add_argument("file")
+    check.set_defaults(func=_check_config)
+
+    try:
+        from gateway.bench.command import add_arguments
+    except ImportError:  # the bench package is optional in trimmed installs
+        add_arguments = None
+    if add_arguments is not None:
+        bench = sub.add_parser("bench", help="find the throughput-latency knee of an endpoint")
+        add_arguments(bench)
+        bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

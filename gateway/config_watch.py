@@ -1,0 +1,32 @@
+"""Optional: reload when the config file changes (mtime polling, no extra dependency)."""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+
+from gateway.runtime import Runtime
+
+log = logging.getLogger("kneecap.config")
+POLL_INTERVAL_S = 1.0
+
+
+async def watch_config_file(runtime: Runtime) -> None:
+    path = runtime.config_path
+    if path is None:
+        return
+    last = _mtime(path)
+    while True:
+        await anyio.sleep(POLL_INTERVAL_S)
+        current = _mtime(path)
+        if current != last:
+            last = current
+            runtime.reload()
+
+
+def _mtime(path: anyio.Path | object) -> float | None:
+    try:
+        return path.stat().st_mtime  # type: ignore[attr-defined]
+    except OSError:
+        return None

@@ -1,0 +1,38 @@
+"""Pure ASGI middleware (streams pass straight through, never buffered)."""
+
+from __future__ import annotations
+
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+REQUEST_ID_SCOPE_KEY = "kneecap.request_id"
+
+
+class RequestIdMiddleware:
+    """Propagates the client's ``X-Request-ID`` or makes one, and returns it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = ""
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                request_id = value.decode("latin-1")[:128]
+                break
+        request_id = request_id or uuid.uuid4().hex
+        scope[REQUEST_ID_SCOPE_KEY] = request_id
+        encoded = request_id.encode("latin-1")
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                headers.append((b"x-request-id", encoded))
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

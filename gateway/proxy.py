@@ -1,0 +1,218 @@
+"""One proxied request: route → admit → open upstream (with retries) → relay.
+
+Connection failures and 5xx answers before the first byte are retried on
+another replica of the pool; once bytes have gone to the client the request is
+committed to its replica. Every lease taken here is released exactly once:
+on a failed attempt right away, otherwise by the finisher the relay calls.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from policies.admission import (
+    Lease,
+    NoHealthyBackend,
+    Outcome,
+    Priority,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+)
+from starlette.responses import Response
+
+from backends.replica import Replica
+from gateway.errors import ModelNotFound, RateLimited, Unavailable, UpstreamError, UpstreamTimeout
+from gateway.meter import StreamMeter, Usage
+from gateway.relay import HOP_BY_HOP, StreamEnd, StreamRelay, response_headers
+from gateway.runtime import Runtime, Snapshot
+from policies.least_loaded import pick_least_loaded
+from policies.long_context import choose_pool
+from policies.prompt_size import estimate_prompt_tokens
+
+# Client headers that are the gateway's business, not the backend's.
+_NOT_FORWARDED = HOP_BY_HOP | {"authorization", "accept-encoding", "x-request-id"}
+_PRIORITY_HEADER = "x-kneecap-priority"
+
+
+@dataclass(slots=True)
+class ProxyRequest:
+    endpoint: str  # "/v1/chat/completions", ...
+    payload: dict[str, Any]
+    body: bytes
+    headers: Mapping[str, str]
+    request_id: str
+    started: float  # perf_counter at arrival
+
+
+def _priority(headers: Mapping[str, str]) -> Priority:
+    value = headers.get(_PRIORITY_HEADER, "").strip().lower()
+    return Priority.BATCH if value == "batch" else Priority.INTERACTIVE
+
+
+def _upstream_headers(request: ProxyRequest, replica: Replica, forward_key: bool) -> dict[str, str]:
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+    headers["content-type"] = "application/json"
+    headers["accept-encoding"] = "identity"  # the relay must read SSE in clear to time it
+    headers["x-request-id"] = request.request_id
+    key = replica.config.resolved_api_key()
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    elif forward_key and "authorization" in request.headers:
+        headers["authorization"] = request.headers["authorization"]
+    return headers
+
+
+def _prepare_stream(request: ProxyRequest) -> bool:
+    """Ask the backend for usage; returns True when the client did not ask itself."""
+    if request.endpoint == "/v1/embeddings":
+        return False
+    options = request.payload.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return False
+    merged = dict(options) if isinstance(options, dict) else {}
+    merged["include_usage"] = True
+    payload = dict(request.payload, stream_options=merged)
+    request.body = json.dumps(payload, ensure_ascii=False).encode()
+    return True
+
+
+async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRelay:
+    snapshot = runtime.current
+    settings = snapshot.settings
+    model = request.payload["model"]
+    serving = snapshot.backends.serving(model)
+    if not serving:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    healthy_pools = {r.pool for r in serving if r.healthy}
+    if not healthy_pools:
+        raise Unavailable(f"no healthy backend serves model `{model}`")
+    pool = choose_pool(settings.pools, healthy_pools, estimate_prompt_tokens(request.payload))
+    assert pool is not None  # healthy_pools is not empty
+    streaming = request.payload.get("stream") is True
+    strip_usage = _prepare_stream(request) if streaming else False
+    tried: set[str] = set()
+    last_error: Exception | None = None
+    for attempt in range(settings.upstream.max_attempts):
+        candidates = [
+            r
+            for r in runtime.current.backends.in_pool(pool)
+            if model in r.models and r.healthy and r.name not in tried
+        ]
+        if not candidates:
+            break
+        lease = await _admit(runtime, snapshot, pool, request, candidates)
+        replica = lease.backend
+        tried.add(replica.name)
+        last_attempt = attempt == settings.upstream.max_attempts - 1 or len(candidates) == 1
+        try:
+            upstream = await runtime.client.send(
+                runtime.client.build_request(
+                    "POST",
+                    replica.url + request.endpoint,
+                    content=request.body,
+                    headers=_upstream_headers(request, replica, settings.auth.forward_client_key),
+                ),
+                stream=True,
+            )
+        except httpx.HTTPError as exc:
+            lease.release(Outcome.DROPPED)
+            replica.record_failure(settings.health.failure_threshold)
+            last_error = exc
+            continue
+        if upstream.status_code >= 500 and not last_attempt:
+            await upstream.aclose()
+            lease.release(Outcome.DROPPED)
+            replica.record_failure(settings.health.failure_threshold)
+            last_error = UpstreamError(f"backend {replica.name} answered {upstream.status_code}")
+            continue
+        replica.record_success()
+        extra = {"x-request-id": request.request_id, "x-kneecap-backend": replica.name}
+        if streaming and upstream.status_code == 200:
+            meter = StreamMeter(started=request.started, strip_usage=strip_usage)
+            return StreamRelay(upstream, meter, extra, _stream_finisher(runtime, lease, replica))
+        return await _buffered(upstream, lease, extra)
+    if isinstance(last_error, httpx.TimeoutException):
+        raise UpstreamTimeout(f"upstream timed out: {last_error}")
+    if last_error is not None:
+        raise UpstreamError(
+            f"every attempt failed; last: {type(last_error).__name__}: {last_error}"
+        )
+    raise Unavailable(f"no healthy backend serves model `{model}`")
+
+
+async def _admit(
+    runtime: Runtime,
+    snapshot: Snapshot,
+    pool: str,
+    request: ProxyRequest,
+    candidates: list[Replica],
+) -> Lease[Replica]:
+    admission = runtime.admission(pool)
+    pool_config = snapshot.settings.pools[pool]
+
+    def pick() -> Replica | None:
+        return pick_least_loaded(candidates)
+
+    deadline = time.monotonic() + pool_config.max_queue_wait_s
+    try:
+        return await admission.acquire(pick, priority=_priority(request.headers), deadline=deadline)
+    except QueueFull as exc:
+        raise RateLimited(
+            f"pool `{pool}` queue is full",
+            code="queue_full",
+            headers={"retry-after": str(round(exc.retry_after))},
+        ) from exc
+    except QueueTimeout as exc:
+        raise RateLimited(
+            f"no capacity in pool `{pool}` within the queue deadline",
+            code="queue_timeout",
+            headers={"retry-after": str(round(exc.retry_after))},
+        ) from exc
+    except (NoHealthyBackend, ShuttingDown) as exc:
+        raise Unavailable(str(exc) or "gateway is shutting down") from exc
+
+
+def _stream_finisher(runtime: Runtime, lease: Lease[Replica], replica: Replica):
+    def finish(end: StreamEnd) -> None:
+        outcome = {
+            "ok": Outcome.SUCCESS,
+            "client_closed": Outcome.IGNORE,
+            "upstream_error": Outcome.DROPPED,
+        }[end.status]
+        if end.status == "upstream_error":
+            replica.record_failure(runtime.current.settings.health.failure_threshold)
+        lease.release(outcome)
+
+    return finish
+
+
+async def _buffered(
+    upstream: httpx.Response, lease: Lease[Replica], extra: dict[str, str]
+) -> Response:
+    outcome = Outcome.DROPPED
+    try:
+        body = await upstream.aread()
+        outcome = Outcome.SUCCESS if upstream.status_code < 400 else Outcome.IGNORE
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"upstream failed while sending its answer: {exc}") from exc
+    finally:
+        await upstream.aclose()
+        lease.release(outcome)
+    response = Response(body, status_code=upstream.status_code)
+    response.raw_headers = response_headers(upstream, extra) + [
+        (b"content-length", str(len(body)).encode())
+    ]
+    return response
+
+
+def usage_of(body: bytes) -> Usage | None:
+    try:
+        return Usage.from_json(json.loads(body).get("usage"))
+    except (ValueError, AttributeError):
+        return None

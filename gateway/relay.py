@@ -1,0 +1,131 @@
+"""Upstream → client, byte for byte, timed on the way.
+
+``StreamRelay`` is a pure ASGI response: it races the upstream body against the
+client's disconnect in one task group (as Starlette's StreamingResponse does),
+so a client that goes away closes the upstream request at once, and it owns
+the request's lease until the last byte: the permit is released exactly once,
+in ``finally``, whatever ended the stream.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from gateway.meter import StreamMeter
+from gateway.sse import SSEFramer, join_events
+
+# RFC 9110 §7.6.1 hop-by-hop headers, plus what the relay recomputes itself.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "host",
+    }
+)
+
+
+def response_headers(upstream: httpx.Response, extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    headers = [
+        (name, value)
+        for name, value in upstream.headers.raw
+        if name.lower().decode() not in HOP_BY_HOP and name.lower() not in (b"date", b"server")
+    ]
+    headers += [(k.encode(), v.encode()) for k, v in extra.items()]
+    return headers
+
+
+@dataclass(slots=True)
+class StreamEnd:
+    """How a relayed stream ended; handed to the request's finisher."""
+
+    status: str  # "ok" | "client_closed" | "upstream_error"
+    meter: StreamMeter
+    error: str | None = None
+
+
+def error_event(message: str, code: str = "upstream_error") -> bytes:
+    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class StreamRelay:
+    def __init__(
+        self,
+        upstream: httpx.Response,
+        meter: StreamMeter,
+        headers: dict[str, str],
+        finish: Callable[[StreamEnd], None],
+    ) -> None:
+        self.upstream = upstream
+        self.meter = meter
+        self.headers = headers
+        self.finish = finish
+        self._client_gone = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        end = StreamEnd("client_closed", self.meter)
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.upstream.status_code,
+                    "headers": response_headers(self.upstream, self.headers),
+                }
+            )
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._watch_disconnect, receive, group.cancel_scope)
+                end = await self._pump(send)
+                group.cancel_scope.cancel()
+        except OSError:
+            end = StreamEnd("client_closed", self.meter)  # ASGI ≥ 2.4: send to a closed client
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+                self.finish(end)
+
+    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self._client_gone = True
+                scope.cancel()
+                return
+
+    async def _pump(self, send: Send) -> StreamEnd:
+        meter = self.meter
+        framer = SSEFramer()
+        strip = meter.strip_usage
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                events = framer.feed(chunk)
+                kept = meter.observe(events) if events else None
+                if strip:
+                    # Only whole events go out, so a dropped one never leaks partially.
+                    chunk = join_events(events if kept is None else kept)
+                    if not chunk:
+                        continue
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as exc:
+            message = f"upstream failed mid-stream: {type(exc).__name__}: {exc}".rstrip(": ")
+            await send(
+                {"type": "http.response.body", "body": error_event(message), "more_body": True}
+            )
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return StreamEnd("upstream_error", meter, message)
+        tail = framer.pending if strip else b""
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        status = "upstream_error" if meter.upstream_error else "ok"
+        return StreamEnd(status, meter)

@@ -1,0 +1,153 @@
+"""Thin HTTP handlers: parse → check → hand to the proxy. Errors are raised, rendered once."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.errors import InvalidRequest, PayloadTooLarge, Unauthorized
+from gateway.middleware import REQUEST_ID_SCOPE_KEY
+from gateway.proxy import ProxyRequest, proxy
+from gateway.runtime import Runtime
+
+# The field each endpoint cannot do without, besides `model`.
+REQUIRED_FIELD = {
+    "/v1/chat/completions": "messages",
+    "/v1/completions": "prompt",
+    "/v1/embeddings": "input",
+}
+
+
+def runtime_of(request: Request) -> Runtime:
+    return request.state.runtime
+
+
+def bearer(request: Request) -> str | None:
+    value = request.headers.get("authorization", "")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def require_client_key(request: Request) -> None:
+    if not runtime_of(request).current.client_key_ok(bearer(request)):
+        raise Unauthorized("Incorrect or missing API key.")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(payload, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    for field in ("model", REQUIRED_FIELD[endpoint]):
+        if payload.get(field) in (None, "", []):
+            raise InvalidRequest(
+                f"you must provide the `{field}` parameter",
+                param=field,
+                code="missing_required_parameter",
+            )
+    if not isinstance(payload["model"], str):
+        raise InvalidRequest("`model` must be a string", param="model", code="invalid_type")
+    if endpoint == "/v1/chat/completions" and not isinstance(payload["messages"], list):
+        raise InvalidRequest("`messages` must be an array", param="messages", code="invalid_type")
+    return payload
+
+
+async def proxied(request: Request) -> Any:
+    started = time.perf_counter()
+    require_client_key(request)
+    runtime = runtime_of(request)
+    endpoint = request.url.path
+    body = await read_body(request, runtime.current.settings.max_body_bytes)
+    payload = parse_payload(body, endpoint)
+    proxy_request = ProxyRequest(
+        endpoint=endpoint,
+        payload=payload,
+        body=body,
+        headers=request.headers,
+        request_id=request.scope.get(REQUEST_ID_SCOPE_KEY, ""),
+        started=started,
+    )
+    return await proxy(runtime, proxy_request)
+
+
+async def list_models(request: Request) -> Response:
+    require_client_key(request)
+    models = runtime_of(request).current.backends.healthy_models()
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "kneecap"} for m in models]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    backends = runtime_of(request).current.backends
+    healthy = sum(r.healthy for r in backends.replicas)
+    body = {"ready": healthy > 0, "healthy_backends": healthy, "backends": len(backends.replicas)}
+    return JSONResponse(body, status_code=200 if healthy else 503)
+
+
+def require_admin(request: Request) -> None:
+    if not runtime_of(request).current.admin_ok(bearer(request)):
+        raise Unauthorized("Incorrect or missing admin token.")
+
+
+async def admin_reload(request: Request) -> Response:
+    require_admin(request)
+    result = runtime_of(request).reload()
+    return JSONResponse(
+        {"ok": result.ok, "message": result.message}, status_code=200 if result.ok else 400
+    )
+
+
+async def admin_state(request: Request) -> Response:
+    require_admin(request)
+    runtime = runtime_of(request)
+    backends = [
+        {
+            "name": r.name,
+            "pool": r.pool,
+            "url": r.url,
+            "healthy": r.healthy,
+            "in_flight": r.in_flight,
+            "limit": r.limit,
+            "models": sorted(r.models),
+        }
+        for r in runtime.current.backends.replicas
+    ]
+    pools = {name: {"queue_depth": a.depth(), "leased": a.leased} for name, a in runtime.admissions.items()}
+    return JSONResponse({"backends": backends, "pools": pools})
+
+
+ROUTES = [
+    Route("/v1/chat/completions", proxied, methods=["POST"]),
+    Route("/v1/completions", proxied, methods=["POST"]),
+    Route("/v1/embeddings", proxied, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/ready", ready, methods=["GET"]),
+    Route("/admin/reload", admin_reload, methods=["POST"]),
+    Route("/admin/state", admin_state, methods=["GET"]),
+]

@@ -1,0 +1,122 @@
+"""The live state of one gateway: the current config snapshot and what outlives it.
+
+Each request reads ``runtime.current`` once and keeps that snapshot to the
+end, so a reload (one attribute assignment) never changes a request midway.
+Replicas, admission queues and the HTTP client outlive snapshots.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from policies.admission import PoolAdmission
+
+from backends.pool import BackendSet
+from backends.replica import Replica
+from gateway.settings import ConfigError, Settings, load_settings
+
+log = logging.getLogger("kneecap.runtime")
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    settings: Settings
+    backends: BackendSet
+    client_keys: tuple[bytes, ...] = ()
+    admin_token: bytes | None = None
+
+    @classmethod
+    def build(
+        cls, settings: Settings, previous: BackendSet | None, sim_urls: Mapping[str, str]
+    ) -> Snapshot:
+        admin = settings.auth.admin_token
+        return cls(
+            settings=settings,
+            backends=BackendSet.build(settings.backends, previous, sim_urls),
+            client_keys=tuple(k.encode() for k in settings.auth.client_keys()),
+            admin_token=admin.get_secret_value().encode() if admin else None,
+        )
+
+    def client_key_ok(self, presented: str | None) -> bool:
+        if not self.client_keys:
+            return True
+        candidate = (presented or "").encode()
+        # Compare against every key so timing does not reveal which one matched.
+        return sum(hmac.compare_digest(candidate, key) for key in self.client_keys) > 0
+
+    def admin_ok(self, presented: str | None) -> bool:
+        if self.admin_token is None:
+            return True
+        return hmac.compare_digest((presented or "").encode(), self.admin_token)
+
+
+@dataclass(slots=True)
+class ReloadResult:
+    ok: bool
+    message: str
+
+
+@dataclass(eq=False)
+class Runtime:
+    current: Snapshot
+    client: httpx.AsyncClient
+    config_path: Path | None = None
+    sim_urls: dict[str, str] = field(default_factory=dict)
+    admissions: dict[str, PoolAdmission] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._sync_admissions()
+
+    def admission(self, pool: str) -> PoolAdmission:
+        return self.admissions[pool]
+
+    def _sync_admissions(self) -> None:
+        for name, pool in self.current.settings.pools.items():
+            existing = self.admissions.get(name)
+            if existing is None:
+                self.admissions[name] = PoolAdmission(
+                    max_queue_depth=pool.max_queue_depth, batch_share=pool.batch_share, name=name
+                )
+            else:
+                existing.configure(
+                    max_queue_depth=pool.max_queue_depth, batch_share=pool.batch_share
+                )
+
+    def notify(self, replica: Replica | None = None) -> None:
+        """Capacity may have changed: queued requests try again."""
+        if replica is not None and replica.pool in self.admissions:
+            self.admissions[replica.pool].notify()
+            return
+        for admission in self.admissions.values():
+            admission.notify()
+
+    def apply(self, settings: Settings) -> ReloadResult:
+        unknown_sims = [
+            b.name for b in settings.backends if b.url is None and b.name not in self.sim_urls
+        ]
+        if unknown_sims:
+            message = "simulated backends can only be added at startup: " + ", ".join(unknown_sims)
+            return ReloadResult(False, message)
+        self.current = Snapshot.build(settings, self.current.backends, self.sim_urls)
+        self._sync_admissions()
+        self.notify()
+        names = ", ".join(r.name for r in self.current.backends.replicas)
+        return ReloadResult(
+            True, f"config applied: {len(self.current.backends.replicas)} backends ({names})"
+        )
+
+    def reload(self) -> ReloadResult:
+        """Re-read the config file; on any error the old config keeps serving."""
+        try:
+            settings = load_settings(self.config_path)
+        except ConfigError as exc:
+            log.error("config reload rejected, keeping the old config: %s", exc)
+            return ReloadResult(False, str(exc))
+        result = self.apply(settings)
+        (log.info if result.ok else log.error)("config reload: %s", result.message)
+        return result

@@ -1,0 +1,97 @@
+"""Runs uvicorn servers: the gateway, and the simulated backends it may embed.
+
+The gateway's server owns the signals (Ctrl-C drains it); embedded simulated
+backends start first on free loopback ports and stop after the gateway.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import anyio
+import uvicorn
+from starlette.types import ASGIApp
+
+from backends.sim.factory import make_engine
+from backends.sim.server import create_sim_app
+from gateway.settings import BackendConfig
+
+log = logging.getLogger("kneecap")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def server_config(app: ASGIApp, host: str, port: int, **kwargs: object) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=kwargs.pop("log_level", "warning"),  # type: ignore[arg-type]
+        access_log=False,
+        timeout_graceful_shutdown=kwargs.pop("timeout_graceful_shutdown", 10),  # type: ignore[arg-type]
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@dataclass
+class EmbeddedSim:
+    name: str
+    url: str
+    server: uvicorn.Server
+
+
+def build_embedded_sims(backends: Sequence[BackendConfig], host: str = "127.0.0.1") -> list[EmbeddedSim]:
+    sims = []
+    for backend in backends:
+        if backend.sim is None or backend.url is not None:
+            continue
+        sim = backend.sim
+        engine = make_engine(
+            model=backend.models[0] if backend.models else "Qwen/Qwen3-4B",
+            profile=sim.profile,
+            ttft_ms=sim.ttft_ms,
+            itl_ms=sim.itl_ms,
+            speed=sim.speed,
+            seed=sim.seed,
+            flavor="sglang" if backend.engine == "sglang" else "vllm",
+        )
+        port = free_port(host)
+        server = uvicorn.Server(server_config(create_sim_app(engine, backend.models[0] if backend.models else "Qwen/Qwen3-4B"), host, port))
+        sims.append(EmbeddedSim(backend.name, f"http://{host}:{port}", server))
+    return sims
+
+
+async def serve_with_sims(gateway: uvicorn.Server, sims: Sequence[EmbeddedSim]) -> None:
+    """Sims up first, gateway last; Ctrl-C/SIGTERM drains the gateway, then the sims.
+
+    Signals are handled here rather than by uvicorn, which re-raises them once
+    the first server has stopped and would cut the others off mid-shutdown.
+    """
+    async with anyio.create_task_group() as backends:
+        for sim in sims:
+            backends.start_soon(sim.server._serve)
+        while not all(s.server.started for s in sims):
+            await anyio.sleep(0.01)
+        async with anyio.create_task_group() as front:
+            front.start_soon(_stop_on_signal, gateway)
+            await gateway._serve()
+            front.cancel_scope.cancel()
+        for sim in sims:
+            sim.server.should_exit = True
+
+
+async def _stop_on_signal(gateway: uvicorn.Server) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if gateway.should_exit:  # a second Ctrl-C: stop waiting for open streams
+                gateway.force_exit = True
+            gateway.should_exit = True
+            log.info("received %s, draining", signal.Signals(signum).name)

@@ -1,0 +1,201 @@
+"""Configuration: one YAML file, every field overridable by ``KNEECAP_*`` env.
+
+Validated once into frozen models. Env wins over the file so that a container
+can override a mounted config (``KNEECAP_LISTEN__PORT=9000``; lists and
+mappings as JSON, e.g. ``KNEECAP_AUTH__API_KEYS='["k1"]'``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "KNEECAP_"
+CONFIG_ENV = "KNEECAP_CONFIG"
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ListenConfig(Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class SimConfig(Frozen):
+    """An in-process simulated backend that ``kneecap serve`` starts itself."""
+
+    profile: str | None = None  # a calibrated engine profile; None → fixed latencies
+    ttft_ms: float = Field(50.0, ge=0)
+    itl_ms: float = Field(15.0, ge=0)
+    speed: float = Field(1.0, gt=0)
+    seed: int = 0
+
+
+class BackendConfig(Frozen):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    url: str | None = None  # filled in for `sim` backends once they listen
+    pool: str = "short"
+    engine: Literal["vllm", "sglang", "openai"] = "vllm"
+    models: tuple[str, ...] = ()  # empty → discovered from the backend's /v1/models
+    api_key: SecretStr | None = None
+    api_key_env: str | None = None
+    sim: SimConfig | None = None
+
+    @model_validator(mode="after")
+    def _url_or_sim(self) -> BackendConfig:
+        if self.url is None and self.sim is None:
+            raise ValueError("a backend needs `url` (or `sim` for a simulated one)")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        return self
+
+    def resolved_api_key(self) -> str | None:
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        if self.api_key_env:
+            return os.environ.get(self.api_key_env)
+        return None
+
+
+class PoolConfig(Frozen):
+    """A set of replicas for a range of prompt lengths: ``[min, max)`` tokens."""
+
+    min_prompt_tokens: int = Field(0, ge=0)
+    max_prompt_tokens: int | None = Field(None, gt=0)
+    max_queue_depth: int = Field(256, ge=0)
+    max_queue_wait_s: float = Field(30.0, ge=0)
+    # While both classes wait, at least this share of the freed permits goes to `batch`.
+    batch_share: float = Field(0.1, ge=0, le=1)
+
+    def accepts(self, prompt_tokens: int) -> bool:
+        upper = self.max_prompt_tokens
+        return prompt_tokens >= self.min_prompt_tokens and (upper is None or prompt_tokens < upper)
+
+
+class HealthConfig(Frozen):
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    path: str = "/health"
+    # Passive ejection: this many consecutive failed requests take a backend out
+    # until the next successful active probe.
+    failure_threshold: int = Field(3, ge=1)
+
+
+class UpstreamConfig(Frozen):
+    connect_timeout_s: float = Field(5.0, gt=0)
+    # Longest wait for the next chunk: a stalled engine fails instead of hanging.
+    read_timeout_s: float = Field(120.0, gt=0)
+    max_attempts: int = Field(3, ge=1)
+    max_connections: int = Field(1024, ge=1)
+
+
+class AuthConfig(Frozen):
+    api_keys: tuple[SecretStr, ...] = ()
+    api_keys_env: str | None = None  # comma-separated keys in this env variable
+    admin_token: SecretStr | None = None
+    forward_client_key: bool = False
+
+    def client_keys(self) -> tuple[str, ...]:
+        keys = [k.get_secret_value() for k in self.api_keys]
+        if self.api_keys_env:
+            keys += [
+                k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()
+            ]
+        return tuple(keys)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        frozen=True, extra="forbid", env_prefix=ENV_PREFIX, env_nested_delimiter="__"
+    )
+
+    listen: ListenConfig = ListenConfig()
+    pools: dict[str, PoolConfig] = Field(
+        default_factory=lambda: {
+            "short": PoolConfig(max_prompt_tokens=8192),
+            "long": PoolConfig(min_prompt_tokens=8192),
+        }
+    )
+    backends: tuple[BackendConfig, ...] = ()
+    health: HealthConfig = HealthConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    auth: AuthConfig = AuthConfig()
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    watch_config: bool = False
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file arrives as init kwargs; env must override it.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        names = [b.name for b in self.backends]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"backend names must be unique, repeated: {', '.join(duplicates)}")
+        for backend in self.backends:
+            if backend.pool not in self.pools:
+                known = ", ".join(sorted(self.pools))
+                raise ValueError(
+                    f"backend {backend.name!r} is in pool {backend.pool!r}, "
+                    f"which is not defined (pools: {known})"
+                )
+        return self
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; the message names the bad key."""
+
+
+def format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"{path}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def build_settings(data: dict[str, Any]) -> Settings:
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from exc
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """From a file (or ``$KNEECAP_CONFIG``), else the embedded default."""
+    path = path or os.environ.get(CONFIG_ENV)
+    if path is None:
+        from gateway.embedded import default_config
+
+        return build_settings(default_config())
+    return build_settings(read_config_file(path))

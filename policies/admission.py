@@ -1,0 +1,323 @@
+"""Admission: permits on backends, a bounded priority queue per pool, typed refusals.
+
+The limit math lives in the controllers; this module only enforces. A request
+asks its pool's :class:`PoolAdmission` for a :class:`Lease`. ``pick()`` (the
+routing policy) names a backend that has room, or None when every backend is at
+its limit; then the request waits in the pool's queue until ``notify()`` says
+capacity may have appeared (a lease released, a limit raised, a backend
+readmitted), its deadline passes, its task is cancelled, or the pool closes.
+
+Capacity is handed over, not raced for: ``notify()`` runs the head waiters'
+``pick()`` itself and grants the permit before waking the waiter, so a request
+arriving later can never overtake one that waits, and a wake-up is never wasted.
+Everything here runs on one event loop thread; all mutation is synchronous, so
+there are no await points at which the counts could tear.
+
+A lease increments its backend's ``in_flight`` when granted and decrements it
+exactly once, from whichever task calls :meth:`Lease.release`; anyio's
+CapacityLimiter is not used because its tokens belong to the borrowing task,
+while a body is streamed (and the lease released) by another.
+
+Deadlines are absolute times on the injected clock. Waiting uses anyio's timer
+(the event loop's monotonic clock, the same clock as ``time.monotonic`` in
+production), and every dispatch also expires overdue waiters against the
+injected clock, so tests with a fake clock advance it and call ``notify()``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Generic, Protocol, TypeVar
+
+import anyio
+
+from policies.priority_queue import Priority, PriorityQueue
+
+__all__ = [
+    "AdmissionError",
+    "Lease",
+    "NoHealthyBackend",
+    "Outcome",
+    "PoolAdmission",
+    "Priority",
+    "QueueFull",
+    "QueueTimeout",
+    "ShuttingDown",
+    "Slot",
+]
+
+_RETRY_AFTER_MIN = 1.0
+_RETRY_AFTER_MAX = 60.0  # the openai SDK ignores a Retry-After above 60 s
+
+
+class Slot(Protocol):
+    """What admission needs of a backend: a permit count it may change."""
+
+    in_flight: int
+
+
+T = TypeVar("T", bound=Slot)
+
+
+class Outcome(Enum):
+    SUCCESS = "success"  # completed: its timings are a meaningful sample
+    IGNORE = "ignore"  # client went away, 4xx: no verdict on the backend
+    DROPPED = "dropped"  # upstream timeout or 5xx: the backend failed it
+
+
+class AdmissionError(Exception):
+    """A request admission refused; ``code`` is the OpenAI-style error code."""
+
+    code = "admission_error"
+    http_status = 503
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueFull(AdmissionError):
+    code = "queue_full"
+    http_status = 429
+
+    def __init__(self, message: str, *, depth: int, retry_after: float) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.depth = depth
+
+
+class QueueTimeout(AdmissionError):
+    code = "queue_timeout"
+    http_status = 429
+
+    def __init__(self, message: str, *, waited: float, retry_after: float) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.waited = waited
+
+
+class NoHealthyBackend(AdmissionError):
+    """Raised by ``pick()`` (the router), never by admission itself."""
+
+    code = "no_healthy_backend"
+
+
+class ShuttingDown(AdmissionError):
+    code = "shutting_down"
+
+
+class Lease(Generic[T]):
+    """One permit on ``backend``; release it exactly once, in ``finally``."""
+
+    __slots__ = ("_on_release", "backend", "outcome", "queue_wait")
+
+    def __init__(
+        self, backend: T, queue_wait: float, on_release: Callable[[Outcome], None]
+    ) -> None:
+        self.backend = backend
+        self.queue_wait = queue_wait
+        self.outcome: Outcome | None = None
+        self._on_release = on_release
+
+    @property
+    def released(self) -> bool:
+        return self.outcome is not None
+
+    def release(self, outcome: Outcome) -> None:
+        """Give the permit back; any later call is a no-op (the first outcome stands)."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        self.backend.in_flight -= 1
+        self._on_release(outcome)
+
+
+@dataclass(slots=True, eq=False)  # identity equality: the queue removes this exact waiter
+class _Waiter(Generic[T]):
+    pick: Callable[[], T | None]
+    priority: Priority
+    deadline: float
+    enqueued_at: float
+    event: anyio.Event = field(default_factory=anyio.Event)
+    backend: T | None = None
+    granted_at: float = 0.0
+    error: Exception | None = None
+
+
+class PoolAdmission(Generic[T]):
+    def __init__(
+        self,
+        *,
+        max_queue_depth: int,
+        batch_share: float,
+        clock: Callable[[], float] = time.monotonic,
+        drain_window_s: float = 10.0,
+        name: str = "",
+    ) -> None:
+        self.name = name
+        self._clock = clock
+        self._queue: PriorityQueue[_Waiter[T]] = PriorityQueue(batch_share)
+        self._max_queue_depth = max_queue_depth
+        self._drain_window_s = drain_window_s
+        self._releases: deque[float] = deque()  # release times within the drain window
+        self._started = clock()
+        self._next_expiry = float("inf")
+        self._leased = 0
+        self._closed = False
+
+    def configure(self, *, max_queue_depth: int, batch_share: float) -> None:
+        """Apply reloaded knobs; waiters already queued keep their places."""
+        self._max_queue_depth = max_queue_depth
+        self._queue.batch_share = batch_share
+
+    @property
+    def leased(self) -> int:
+        """Leases granted and not yet released."""
+        return self._leased
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def depth(self, priority: Priority | None = None) -> int:
+        """Requests waiting: of one class, or in total."""
+        return len(self._queue) if priority is None else self._queue.depth(priority)
+
+    def retry_after(self) -> float:
+        """Seconds until a request joining now would likely be served, within [1, 60]."""
+        now = self._clock()
+        self._forget_releases(now)
+        elapsed = min(self._drain_window_s, now - self._started)
+        # No release in the window bounds the rate by 1/elapsed: count it as one.
+        per_request = elapsed / max(1, len(self._releases))
+        estimate = (len(self._queue) + 1) * per_request
+        return max(_RETRY_AFTER_MIN, min(_RETRY_AFTER_MAX, estimate))
+
+    async def acquire(
+        self, pick: Callable[[], T | None], *, priority: Priority, deadline: float
+    ) -> Lease[T]:
+        """A lease on the backend ``pick()`` names, waiting in the queue if need be.
+
+        Raises QueueFull, QueueTimeout, ShuttingDown, or whatever ``pick()`` raises
+        (NoHealthyBackend). ``pick()`` must not take the permit itself.
+        """
+        if self._closed:
+            raise ShuttingDown(f"pool {self.name!r} is shutting down")
+        now = self._clock()
+        if len(self._queue):
+            self._dispatch(now)
+        if not len(self._queue):
+            backend = pick()
+            if backend is not None:
+                return self._lease(backend, 0.0)
+        if len(self._queue) >= self._max_queue_depth:
+            raise QueueFull(
+                f"pool {self.name!r} queue is full",
+                depth=len(self._queue),
+                retry_after=self.retry_after(),
+            )
+        if deadline <= now:
+            raise self._timeout(0.0)
+        waiter = _Waiter(pick, priority, deadline, now)
+        self._queue.push(waiter, priority)
+        self._next_expiry = min(self._next_expiry, deadline)
+        try:
+            with anyio.move_on_after(deadline - now):
+                await waiter.event.wait()
+        except BaseException:
+            self._abandon(waiter)  # cancelled (client gone): leave no trace, then re-raise
+            raise
+        return self._collect(waiter)
+
+    def notify(self) -> None:
+        """Capacity may have changed: serve waiters while ``pick()`` finds room."""
+        if not self._closed:
+            self._dispatch(self._clock())
+
+    def close(self) -> None:
+        """Refuse new requests and wake every waiter with ShuttingDown.
+
+        Leases already granted stay valid and are released as usual.
+        """
+        self._closed = True
+        for waiter in self._queue.clear():
+            waiter.error = ShuttingDown(f"pool {self.name!r} is shutting down")
+            waiter.event.set()
+        self._next_expiry = float("inf")
+
+    def _dispatch(self, now: float) -> None:
+        if now >= self._next_expiry:
+            self._expire(now)
+        while (waiter := self._queue.peek()) is not None:
+            try:
+                backend = waiter.pick()
+            except Exception as exc:  # the router's refusal ends this waiter, not the loop
+                self._queue.pop()
+                waiter.error = exc
+                waiter.event.set()
+                continue
+            if backend is None:
+                return  # head of line cannot be served; later waiters must not overtake
+            self._queue.pop()
+            self._take(backend)
+            waiter.backend = backend
+            waiter.granted_at = now
+            waiter.event.set()
+
+    def _expire(self, now: float) -> None:
+        for waiter in self._queue.remove_if(lambda w: w.deadline <= now):
+            waiter.error = self._timeout(now - waiter.enqueued_at)
+            waiter.event.set()
+        self._next_expiry = min((w.deadline for w in self._queue), default=float("inf"))
+
+    def _collect(self, waiter: _Waiter[T]) -> Lease[T]:
+        if waiter.backend is not None:
+            return self._make_lease(waiter.backend, waiter.granted_at - waiter.enqueued_at)
+        if waiter.error is not None:
+            raise waiter.error
+        # Timed out by anyio's timer before any dispatch noticed the deadline.
+        self._queue.remove(waiter, waiter.priority)
+        raise self._timeout(self._clock() - waiter.enqueued_at)
+
+    def _abandon(self, waiter: _Waiter[T]) -> None:
+        if waiter.backend is not None:
+            # Granted, but the task died before it could take the lease: hand it on.
+            waiter.backend.in_flight -= 1
+            self._leased -= 1
+            waiter.backend = None
+            self._dispatch(self._clock())
+        else:
+            self._queue.remove(waiter, waiter.priority)
+
+    def _take(self, backend: T) -> None:
+        backend.in_flight += 1
+        self._leased += 1
+
+    def _lease(self, backend: T, queue_wait: float) -> Lease[T]:
+        self._take(backend)
+        return self._make_lease(backend, queue_wait)
+
+    def _make_lease(self, backend: T, queue_wait: float) -> Lease[T]:
+        return Lease(backend, queue_wait, self._released)
+
+    def _released(self, outcome: Outcome) -> None:
+        del outcome  # every outcome frees a permit alike
+        now = self._clock()
+        self._leased -= 1
+        self._releases.append(now)
+        self._forget_releases(now)
+        self._dispatch(now)
+
+    def _forget_releases(self, now: float) -> None:
+        horizon = now - self._drain_window_s
+        while self._releases and self._releases[0] < horizon:
+            self._releases.popleft()
+
+    def _timeout(self, waited: float) -> QueueTimeout:
+        return QueueTimeout(
+            f"pool {self.name!r}: no capacity within the queue deadline",
+            waited=waited,
+            retry_after=self.retry_after(),
+        )

@@ -1,0 +1,122 @@
+"""Failure handling: client disconnect, dead backends, health ejection and readmission."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.procs import MODEL, backend, start_gateway, start_sim, wait_until
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+
+
+def engine_metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert match, f"{name} not in {url}/metrics"
+    return float(match.group(1))
+
+
+def test_client_disconnect_cancels_the_upstream_request(tmp_path: Path) -> None:
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=50)
+    gw = start_gateway(tmp_path, {"backends": [backend("s", sim.url)]})
+    try:
+        body = {**CHAT, "stream": True, "max_tokens": 2000}  # ~100 s if left alone
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=10) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if '"content":"' in line and '"content":""' not in line)
+            assert engine_metric(sim.url, "vllm:num_requests_running") == 1
+            closed_at = time.monotonic()
+        wait_until(lambda: engine_metric(sim.url, "kneecap_sim_cancelled_requests_total") == 1, timeout=5, interval=0.005)
+        elapsed = time.monotonic() - closed_at
+        assert engine_metric(sim.url, "vllm:num_requests_running") == 0
+        print(f"upstream observed the cancellation {elapsed * 1000:.1f} ms after the client closed")
+        assert elapsed < 1.0
+        state = gw.state()
+        assert state["backends"][0]["in_flight"] == 0
+    finally:
+        gw.proc.stop()
+        sim.stop()
+
+
+def test_dead_backend_is_retried_on_another(tmp_path: Path) -> None:
+    alive = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    doomed = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    config = {
+        "backends": [backend("doomed", doomed.url), backend("alive", alive.url)],
+        "health": {"interval_s": 60, "failure_threshold": 1000},
+    }
+    gw = start_gateway(tmp_path, config)
+    try:
+        assert all(b["healthy"] for b in gw.state()["backends"])
+        doomed.kill()  # the gateway still believes it healthy
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        for _ in range(6):
+            raw = client.chat.completions.with_raw_response.create(**CHAT, max_tokens=2)
+            assert raw.headers["x-kneecap-backend"] == "alive"
+            assert raw.parse().choices[0].message.content
+    finally:
+        gw.proc.stop()
+        alive.stop()
+
+
+def test_consecutive_failures_eject_passively(tmp_path: Path) -> None:
+    alive = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    doomed = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    config = {
+        "backends": [backend("doomed", doomed.url), backend("alive", alive.url)],
+        "health": {"interval_s": 60, "failure_threshold": 2},
+    }
+    gw = start_gateway(tmp_path, config)
+    try:
+        doomed.kill()
+        for _ in range(4):
+            assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1}, timeout=10).status_code == 200
+        states = {b["name"]: b["healthy"] for b in gw.state()["backends"]}
+        assert states == {"doomed": False, "alive": True}
+    finally:
+        gw.proc.stop()
+        alive.stop()
+
+
+def test_health_checks_eject_and_readmit(tmp_path: Path) -> None:
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    port = int(sim.url.rsplit(":", 1)[1])
+    gw = start_gateway(tmp_path, {"backends": [backend("s", sim.url)], "health": {"interval_s": 0.1}})
+    try:
+        assert httpx.get(gw.url + "/ready", timeout=5).status_code == 200
+        sim.kill()
+        wait_until(lambda: httpx.get(gw.url + "/ready", timeout=5).status_code == 503)
+        refused = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10)
+        assert refused.status_code == 503
+        sim = start_sim(tmp_path, port=port, ttft_ms=1, itl_ms=1)
+        wait_until(lambda: httpx.get(gw.url + "/ready", timeout=5).status_code == 200)
+        assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=10).status_code == 200
+    finally:
+        gw.proc.stop()
+        sim.stop()
+
+
+def test_backend_dying_mid_stream_ends_with_an_error_event(tmp_path: Path) -> None:
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=20)
+    gw = start_gateway(tmp_path, {"backends": [backend("s", sim.url)], "health": {"interval_s": 60}})
+    try:
+        body = {**CHAT, "stream": True, "max_tokens": 500}
+        events = []
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=10) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 3:
+                        sim.kill()
+        assert len(events) < 500
+        assert events[-1].startswith('data: {"error"')
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        assert gw.state()["backends"][0]["in_flight"] == 0
+        del client
+    finally:
+        gw.proc.stop()

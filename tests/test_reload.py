@@ -1,0 +1,115 @@
+"""Live reload under streaming traffic, invalid reloads, and auth."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.procs import MODEL, backend, start_gateway, start_sim, wait_until
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+
+
+def test_reload_under_streaming_traffic_fails_no_request(tmp_path: Path) -> None:
+    first = start_sim(tmp_path, ttft_ms=2, itl_ms=5)
+    second = start_sim(tmp_path, ttft_ms=2, itl_ms=5)
+    gw = start_gateway(tmp_path, {"backends": [backend("a", first.url)], "health": {"interval_s": 0.2}})
+    stop = threading.Event()
+    failures: list[str] = []
+    completed = [0]
+    lock = threading.Lock()
+
+    def client_loop() -> None:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        while not stop.is_set():
+            try:
+                stream = client.chat.completions.create(**CHAT, stream=True, max_tokens=20)
+                tokens = sum(1 for c in stream if c.choices and c.choices[0].delta.content)
+                if tokens != 20:
+                    failures.append(f"short stream: {tokens}")
+            except Exception as exc:
+                failures.append(repr(exc))
+            with lock:
+                completed[0] += 1
+
+    threads = [threading.Thread(target=client_loop) for _ in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: completed[0] >= 10)
+        # Add a backend by admin endpoint, then swap the first out by SIGHUP.
+        gw.write_config({**gw.config, "backends": [backend("a", first.url), backend("b", second.url)]})
+        assert httpx.post(gw.url + "/admin/reload", timeout=5).json()["ok"] is True
+        wait_until(lambda: any(b["name"] == "b" and b["healthy"] for b in gw.state()["backends"]))
+        mark = completed[0]
+        wait_until(lambda: completed[0] >= mark + 10)
+        gw.write_config({**gw.config, "backends": [backend("b", second.url)]})
+        os.kill(gw.proc.pid, signal.SIGHUP)
+        wait_until(lambda: [b["name"] for b in gw.state()["backends"]] == ["b"])
+        mark = completed[0]
+        wait_until(lambda: completed[0] >= mark + 10)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        gw.proc.stop()
+        first.stop()
+        second.stop()
+    assert failures == []
+    assert completed[0] >= 30
+
+
+def test_invalid_reload_keeps_the_old_config(tmp_path: Path) -> None:
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    gw = start_gateway(tmp_path, {"backends": [backend("a", sim.url)]})
+    try:
+        gw.config_path.write_text("backends: [{name: a, url: 'not a url'}]\n")
+        response = httpx.post(gw.url + "/admin/reload", timeout=5)
+        assert response.status_code == 400
+        body = response.json()
+        assert body["ok"] is False and "backends.0" in body["message"]
+        gw.config_path.write_text("backends: [unclosed\n")
+        assert "invalid YAML" in httpx.post(gw.url + "/admin/reload", timeout=5).json()["message"]
+        ok = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=10)
+        assert ok.status_code == 200
+        assert [b["name"] for b in gw.state()["backends"]] == ["a"]
+    finally:
+        gw.proc.stop()
+        sim.stop()
+
+
+def test_client_keys_and_admin_token(tmp_path: Path) -> None:
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    config = {
+        "backends": [backend("a", sim.url)],
+        "auth": {"api_keys": ["k-one"], "api_keys_env": "EXTRA_KEYS", "admin_token": "adm"},
+    }
+    gw = start_gateway(tmp_path, config, env={"EXTRA_KEYS": "k-two, k-three"})
+    try:
+        url = gw.url + "/v1/chat/completions"
+        body = {**CHAT, "max_tokens": 1}
+        missing = httpx.post(url, json=body, timeout=5)
+        assert missing.status_code == 401
+        assert missing.json()["error"]["type"] == "authentication_error"
+        assert httpx.post(url, json=body, headers={"authorization": "Bearer wrong"}, timeout=5).status_code == 401
+        for key in ("k-one", "k-three"):
+            assert httpx.post(url, json=body, headers={"authorization": f"Bearer {key}"}, timeout=5).status_code == 200
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="k-two", max_retries=0)
+        assert client.models.list().data[0].id == MODEL
+        try:
+            openai.OpenAI(base_url=gw.url + "/v1", api_key="bad", max_retries=0).models.list()
+            raise AssertionError("a bad key was accepted")
+        except openai.AuthenticationError:
+            pass
+        assert httpx.get(gw.url + "/admin/state", timeout=5).status_code == 401
+        assert httpx.get(gw.url + "/admin/state", headers={"authorization": "Bearer k-one"}, timeout=5).status_code == 401
+        assert httpx.post(gw.url + "/admin/reload", headers={"authorization": "Bearer adm"}, timeout=5).status_code == 200
+        assert httpx.get(gw.url + "/health", timeout=5).status_code == 200  # never gated
+    finally:
+        gw.proc.stop()
+        sim.stop()
