@@ -51,7 +51,9 @@ async def probe_all(
     async def one(replica: Replica) -> None:
         ok = await probe(client, replica, config)
         if ok != replica.healthy:
-            (log.info if ok else log.warning)("backend %s is %s", replica.name, "up" if ok else "DOWN")
+            (log.info if ok else log.warning)(
+                "backend %s is %s", replica.name, "up" if ok else "DOWN"
+            )
         was = replica.healthy
         replica.healthy = ok
         if ok:
@@ -64,13 +66,28 @@ async def probe_all(
             group.start_soon(one, replica)
 
 
-async def health_loop(
-    client: httpx.AsyncClient,
-    current: Callable[[], tuple[BackendSet, HealthConfig]],
-    on_change: Callable[[Replica], None],
-) -> None:
-    """Runs until cancelled; reads the snapshot each round so reloads apply."""
-    while True:
-        backends, config = current()
-        await probe_all(client, backends, config, on_change)
-        await anyio.sleep(config.interval_s)
+class HealthProber:
+    """Probes every ``interval_s``, or at once when asked (a reload added replicas)."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        current: Callable[[], tuple[BackendSet, HealthConfig]],
+        on_change: Callable[[Replica], None],
+    ) -> None:
+        self._client = client
+        self._current = current
+        self._on_change = on_change
+        self._wake = anyio.Event()
+
+    def probe_soon(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Runs until cancelled; reads the snapshot each round so reloads apply."""
+        while True:
+            backends, config = self._current()
+            await probe_all(self._client, backends, config, self._on_change)
+            with anyio.move_on_after(config.interval_s):
+                await self._wake.wait()
+            self._wake = anyio.Event()

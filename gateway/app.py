@@ -16,7 +16,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from backends.health import health_loop, probe_all
+from backends.health import HealthProber, probe_all
 from gateway.config_watch import watch_config_file
 from gateway.errors import GatewayError, NotFound, error_body, openai_error_response
 from gateway.middleware import RequestIdMiddleware
@@ -78,10 +78,12 @@ def create_app(
             snapshot = runtime.current
             return snapshot.backends, snapshot.settings.health
 
+        prober = HealthProber(client, health_view, runtime.notify)
+        runtime.on_reload = prober.probe_soon
         # One probe round before serving, so /ready and routing start informed.
         await probe_all(client, runtime.current.backends, settings.health, runtime.notify)
         async with anyio.create_task_group() as group:
-            group.start_soon(health_loop, client, health_view, runtime.notify)
+            group.start_soon(prober.run)
             if settings.watch_config and runtime.config_path:
                 group.start_soon(watch_config_file, runtime)
             _install_sighup(runtime)

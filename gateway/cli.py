@@ -77,7 +77,10 @@ def _sim(args: argparse.Namespace) -> int:
         flavor=args.engine,
     )
     what = args.profile or f"fixed ttft={args.ttft_ms}ms itl={args.itl_ms}ms"
-    print(f"kneecap sim: {args.model} ({what}, speed {args.speed}x) on http://{args.host}:{args.port}", flush=True)
+    print(
+        f"kneecap sim: {args.model} ({what}, speed {args.speed}x) on http://{args.host}:{args.port}",
+        flush=True,
+    )
     server = uvicorn.Server(server_config(create_sim_app(engine, args.model), args.host, args.port))
     try:
         server.run()
@@ -96,10 +99,14 @@ def _check_config(args: argparse.Namespace) -> int:
     print(f"  listen {settings.listen.host}:{settings.listen.port}")
     for name, pool in settings.pools.items():
         upper = pool.max_prompt_tokens if pool.max_prompt_tokens is not None else "∞"
-        members = [b.name for b in settings.backends if b.pool == name]
-        print(f"  pool {name}: prompts [{pool.min_prompt_tokens}, {upper}) tokens, backends: {', '.join(members) or '-'}")
+        members = ", ".join(b.name for b in settings.backends if b.pool == name) or "-"
+        print(
+            f"  pool {name}: prompts [{pool.min_prompt_tokens}, {upper}) tokens,"
+            f" backends: {members}"
+        )
     auth = settings.auth
-    print(f"  client keys: {len(auth.client_keys())}, admin token: {'set' if auth.admin_token else 'none'}")
+    admin = "set" if auth.admin_token else "none"
+    print(f"  client keys: {len(auth.client_keys())}, admin token: {admin}")
     return 0
 
 
@@ -110,11 +117,17 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kneecap", description="Adaptive OpenAI-compatible LLM gateway")
+    parser = argparse.ArgumentParser(
+        prog="kneecap", description="Adaptive OpenAI-compatible LLM gateway"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the gateway (embedded simulated backends without a config)")
-    serve.add_argument("--config", help="YAML config file (default: $KNEECAP_CONFIG, else embedded)")
+    serve = sub.add_parser(
+        "serve", help="run the gateway (embedded simulated backends without a config)"
+    )
+    serve.add_argument(
+        "--config", help="YAML config file (default: $KNEECAP_CONFIG, else embedded)"
+    )
     serve.add_argument("--host", help="listen address (overrides config)")
     serve.add_argument("--port", type=int, help="listen port (overrides config)")
     serve.add_argument("--log-level", default="info")
@@ -150,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     args = build_parser().parse_args(argv)
     return args.func(args)

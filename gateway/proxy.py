@@ -15,6 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from starlette.responses import Response
+
+from backends.replica import Replica
+from gateway.errors import ModelNotFound, RateLimited, Unavailable, UpstreamError, UpstreamTimeout
+from gateway.meter import StreamMeter, Usage
+from gateway.relay import HOP_BY_HOP, StreamEnd, StreamRelay, response_headers
+from gateway.runtime import Runtime, Snapshot
 from policies.admission import (
     Lease,
     NoHealthyBackend,
@@ -24,13 +31,6 @@ from policies.admission import (
     QueueTimeout,
     ShuttingDown,
 )
-from starlette.responses import Response
-
-from backends.replica import Replica
-from gateway.errors import ModelNotFound, RateLimited, Unavailable, UpstreamError, UpstreamTimeout
-from gateway.meter import StreamMeter, Usage
-from gateway.relay import HOP_BY_HOP, StreamEnd, StreamRelay, response_headers
-from gateway.runtime import Runtime, Snapshot
 from policies.least_loaded import pick_least_loaded
 from policies.long_context import choose_pool
 from policies.prompt_size import estimate_prompt_tokens
@@ -205,9 +205,8 @@ async def _buffered(
         await upstream.aclose()
         lease.release(outcome)
     response = Response(body, status_code=upstream.status_code)
-    response.raw_headers = response_headers(upstream, extra) + [
-        (b"content-length", str(len(body)).encode())
-    ]
+    length = (b"content-length", str(len(body)).encode())
+    response.raw_headers = [*response_headers(upstream, extra), length]
     return response
 
 

@@ -137,7 +137,10 @@ async def admin_state(request: Request) -> Response:
         }
         for r in runtime.current.backends.replicas
     ]
-    pools = {name: {"queue_depth": a.depth(), "leased": a.leased} for name, a in runtime.admissions.items()}
+    pools = {
+        name: {"queue_depth": a.depth(), "leased": a.leased}
+        for name, a in runtime.admissions.items()
+    }
     return JSONResponse({"backends": backends, "pools": pools})
 
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from policies.admission import PoolAdmission
 
 from backends.pool import BackendSet
 from backends.replica import Replica
 from gateway.settings import ConfigError, Settings, load_settings
+from policies.admission import PoolAdmission
 
 log = logging.getLogger("kneecap.runtime")
 
@@ -68,6 +68,8 @@ class Runtime:
     config_path: Path | None = None
     sim_urls: dict[str, str] = field(default_factory=dict)
     admissions: dict[str, PoolAdmission] = field(default_factory=dict)
+    # Called after a reload so that new replicas are probed now, not a full interval later.
+    on_reload: Callable[[], None] = lambda: None
 
     def __post_init__(self) -> None:
         self._sync_admissions()
@@ -105,6 +107,7 @@ class Runtime:
         self.current = Snapshot.build(settings, self.current.backends, self.sim_urls)
         self._sync_admissions()
         self.notify()
+        self.on_reload()
         names = ", ".join(r.name for r in self.current.backends.replicas)
         return ReloadResult(
             True, f"config applied: {len(self.current.backends.replicas)} backends ({names})"

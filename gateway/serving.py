@@ -48,7 +48,9 @@ class EmbeddedSim:
     server: uvicorn.Server
 
 
-def build_embedded_sims(backends: Sequence[BackendConfig], host: str = "127.0.0.1") -> list[EmbeddedSim]:
+def build_embedded_sims(
+    backends: Sequence[BackendConfig], host: str = "127.0.0.1"
+) -> list[EmbeddedSim]:
     sims = []
     for backend in backends:
         if backend.sim is None or backend.url is not None:
@@ -64,7 +66,13 @@ def build_embedded_sims(backends: Sequence[BackendConfig], host: str = "127.0.0.
             flavor="sglang" if backend.engine == "sglang" else "vllm",
         )
         port = free_port(host)
-        server = uvicorn.Server(server_config(create_sim_app(engine, backend.models[0] if backend.models else "Qwen/Qwen3-4B"), host, port))
+        server = uvicorn.Server(
+            server_config(
+                create_sim_app(engine, backend.models[0] if backend.models else "Qwen/Qwen3-4B"),
+                host,
+                port,
+            )
+        )
         sims.append(EmbeddedSim(backend.name, f"http://{host}:{port}", server))
     return sims
 
@@ -78,7 +86,8 @@ async def serve_with_sims(gateway: uvicorn.Server, sims: Sequence[EmbeddedSim]) 
     async with anyio.create_task_group() as backends:
         for sim in sims:
             backends.start_soon(sim.server._serve)
-        while not all(s.server.started for s in sims):
+        # uvicorn offers no "started" event to wait on.
+        while not all(s.server.started for s in sims):  # noqa: ASYNC110
             await anyio.sleep(0.01)
         async with anyio.create_task_group() as front:
             front.start_soon(_stop_on_signal, gateway)

@@ -29,7 +29,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 15.0, interval: float = 0.02) -> None:
+def wait_until(
+    condition: Callable[[], bool], timeout: float = 15.0, interval: float = 0.02
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -73,7 +75,9 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def start_process(args: list[str], url: str, ready_path: str, log: Path, env: dict[str, str] | None = None) -> Proc:
+def start_process(
+    args: list[str], url: str, ready_path: str, log: Path, env: dict[str, str] | None = None
+) -> Proc:
     handle = log.open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", *args],

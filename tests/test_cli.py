@@ -16,7 +16,9 @@ from tests.procs import MODEL, free_port, start_process
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_check_config_accepts_a_valid_file(tmp_path: Path) -> None:
@@ -55,7 +57,7 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
     assert settings.listen.port == 9100 and settings.health.interval_s == 0.25
     assert settings.backends[0].name == "a"
     monkeypatch.setenv("KNEECAP_LISTEN__PORT", "not-a-port")
-    with pytest.raises(ConfigError, match="listen.port"):
+    with pytest.raises(ConfigError, match=r"listen\.port"):
         load_settings(path)
 
 
@@ -67,7 +69,9 @@ def test_settings_are_frozen() -> None:
 
 def test_serve_runs_the_embedded_default_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     port = free_port()
-    proc = start_process(["serve", "--port", str(port)], f"http://127.0.0.1:{port}", "/ready", tmp_path / "serve.log")
+    proc = start_process(
+        ["serve", "--port", str(port)], f"http://127.0.0.1:{port}", "/ready", tmp_path / "serve.log"
+    )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(

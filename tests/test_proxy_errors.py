@@ -23,7 +23,12 @@ def post(gateway: Gateway, path: str, **kwargs) -> httpx.Response:
 
 
 def test_malformed_json_is_400(gateway: Gateway) -> None:
-    response = post(gateway, "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    response = post(
+        gateway,
+        "/v1/chat/completions",
+        content=b'{"model": ',
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == 400
     assert error_of(response)["type"] == "invalid_request_error"
 
@@ -42,7 +47,9 @@ def test_non_object_json_is_400(gateway: Gateway) -> None:
         ("/v1/embeddings", {"model": MODEL}, "input"),
     ],
 )
-def test_missing_required_parameter_is_400_naming_it(gateway: Gateway, path: str, body: dict, param: str) -> None:
+def test_missing_required_parameter_is_400_naming_it(
+    gateway: Gateway, path: str, body: dict, param: str
+) -> None:
     response = post(gateway, path, json=body)
     assert response.status_code == 400
     error = error_of(response)
@@ -51,7 +58,11 @@ def test_missing_required_parameter_is_400_naming_it(gateway: Gateway, path: str
 
 
 def test_unknown_model_is_404_model_not_found(gateway: Gateway) -> None:
-    response = post(gateway, "/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    response = post(
+        gateway,
+        "/v1/chat/completions",
+        json={"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+    )
     assert response.status_code == 404
     assert error_of(response)["code"] == "model_not_found"
 
@@ -78,11 +89,17 @@ def test_backend_errors_pass_through_with_their_status(gateway: Gateway) -> None
 
 def test_no_healthy_backend_is_503(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    gw = start_gateway(tmp_path, {"backends": [backend("dead", dead)], "health": {"interval_s": 30}})
+    gw = start_gateway(
+        tmp_path, {"backends": [backend("dead", dead)], "health": {"interval_s": 30}}
+    )
     try:
         ready = httpx.get(gw.url + "/ready", timeout=5)
         assert ready.status_code == 503
-        response = post(gw, "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        response = post(
+            gw,
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+        )
         assert response.status_code == 503
         assert error_of(response)["code"] == "no_healthy_backend"
         assert httpx.get(gw.url + "/health", timeout=5).status_code == 200

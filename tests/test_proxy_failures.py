@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from tests.procs import MODEL, backend, start_gateway, start_sim, wait_until
 
@@ -26,12 +27,20 @@ def test_client_disconnect_cancels_the_upstream_request(tmp_path: Path) -> None:
     gw = start_gateway(tmp_path, {"backends": [backend("s", sim.url)]})
     try:
         body = {**CHAT, "stream": True, "max_tokens": 2000}  # ~100 s if left alone
-        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=10) as response:
+        with httpx.stream(
+            "POST", gw.url + "/v1/chat/completions", json=body, timeout=10
+        ) as response:
             lines = response.iter_lines()
-            assert next(line for line in lines if '"content":"' in line and '"content":""' not in line)
+            assert next(
+                line for line in lines if '"content":"' in line and '"content":""' not in line
+            )
             assert engine_metric(sim.url, "vllm:num_requests_running") == 1
             closed_at = time.monotonic()
-        wait_until(lambda: engine_metric(sim.url, "kneecap_sim_cancelled_requests_total") == 1, timeout=5, interval=0.005)
+        wait_until(
+            lambda: engine_metric(sim.url, "kneecap_sim_cancelled_requests_total") == 1,
+            timeout=5,
+            interval=0.005,
+        )
         elapsed = time.monotonic() - closed_at
         assert engine_metric(sim.url, "vllm:num_requests_running") == 0
         print(f"upstream observed the cancellation {elapsed * 1000:.1f} ms after the client closed")
@@ -75,7 +84,12 @@ def test_consecutive_failures_eject_passively(tmp_path: Path) -> None:
     try:
         doomed.kill()
         for _ in range(4):
-            assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1}, timeout=10).status_code == 200
+            assert (
+                httpx.post(
+                    gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1}, timeout=10
+                ).status_code
+                == 200
+            )
         states = {b["name"]: b["healthy"] for b in gw.state()["backends"]}
         assert states == {"doomed": False, "alive": True}
     finally:
@@ -86,7 +100,9 @@ def test_consecutive_failures_eject_passively(tmp_path: Path) -> None:
 def test_health_checks_eject_and_readmit(tmp_path: Path) -> None:
     sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
     port = int(sim.url.rsplit(":", 1)[1])
-    gw = start_gateway(tmp_path, {"backends": [backend("s", sim.url)], "health": {"interval_s": 0.1}})
+    gw = start_gateway(
+        tmp_path, {"backends": [backend("s", sim.url)], "health": {"interval_s": 0.1}}
+    )
     try:
         assert httpx.get(gw.url + "/ready", timeout=5).status_code == 200
         sim.kill()
@@ -95,7 +111,12 @@ def test_health_checks_eject_and_readmit(tmp_path: Path) -> None:
         assert refused.status_code == 503
         sim = start_sim(tmp_path, port=port, ttft_ms=1, itl_ms=1)
         wait_until(lambda: httpx.get(gw.url + "/ready", timeout=5).status_code == 200)
-        assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=10).status_code == 200
+        assert (
+            httpx.post(
+                gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=10
+            ).status_code
+            == 200
+        )
     finally:
         gw.proc.stop()
         sim.stop()
@@ -103,11 +124,15 @@ def test_health_checks_eject_and_readmit(tmp_path: Path) -> None:
 
 def test_backend_dying_mid_stream_ends_with_an_error_event(tmp_path: Path) -> None:
     sim = start_sim(tmp_path, ttft_ms=1, itl_ms=20)
-    gw = start_gateway(tmp_path, {"backends": [backend("s", sim.url)], "health": {"interval_s": 60}})
+    gw = start_gateway(
+        tmp_path, {"backends": [backend("s", sim.url)], "health": {"interval_s": 60}}
+    )
     try:
         body = {**CHAT, "stream": True, "max_tokens": 500}
         events = []
-        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=10) as response:
+        with httpx.stream(
+            "POST", gw.url + "/v1/chat/completions", json=body, timeout=10
+        ) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     events.append(line)
@@ -115,8 +140,25 @@ def test_backend_dying_mid_stream_ends_with_an_error_event(tmp_path: Path) -> No
                         sim.kill()
         assert len(events) < 500
         assert events[-1].startswith('data: {"error"')
-        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
         assert gw.state()["backends"][0]["in_flight"] == 0
-        del client
+    finally:
+        gw.proc.stop()
+
+
+def test_sdk_raises_when_the_backend_dies_mid_stream(tmp_path: Path) -> None:
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=20)
+    gw = start_gateway(
+        tmp_path, {"backends": [backend("s", sim.url)], "health": {"interval_s": 60}}
+    )
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        stream = client.chat.completions.create(**CHAT, stream=True, max_tokens=500)
+        received = 0
+        with pytest.raises(openai.APIError, match="mid-stream"):
+            for chunk in stream:
+                received += 1
+                if received == 3:
+                    sim.kill()
+        assert received < 500
     finally:
         gw.proc.stop()

@@ -73,13 +73,17 @@ async def test_async_client_streaming_and_not(gateway: Gateway) -> None:
         )
         tokens = [c async for c in stream if c.choices and c.choices[0].delta.content]
         assert len(tokens) == 9
-        reply = await async_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+        reply = await async_client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=3
+        )
         assert reply.usage.completion_tokens == 3
 
 
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("include_usage", [True, False])
-def test_bytes_equal_a_direct_call(gateway: Gateway, sims: list[Proc], stream: bool, include_usage: bool) -> None:
+def test_bytes_equal_a_direct_call(
+    gateway: Gateway, sims: list[Proc], stream: bool, include_usage: bool
+) -> None:
     """For a deterministic request the client sees exactly what the backend sent."""
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "seed": 7, "stream": stream}
     if include_usage and stream:
@@ -92,7 +96,13 @@ def test_bytes_equal_a_direct_call(gateway: Gateway, sims: list[Proc], stream: b
 
 
 def test_unknown_fields_pass_through_and_request_id_round_trips(gateway: Gateway) -> None:
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "seed": 1, "kneecap_unknown": {"a": [1]}}
+    body = {
+        "model": MODEL,
+        "prompt": "x",
+        "max_tokens": 2,
+        "seed": 1,
+        "kneecap_unknown": {"a": [1]},
+    }
     response = httpx.post(
         gateway.url + "/v1/completions", json=body, headers={"x-request-id": "req-123"}, timeout=10
     )

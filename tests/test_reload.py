@@ -18,7 +18,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
 def test_reload_under_streaming_traffic_fails_no_request(tmp_path: Path) -> None:
     first = start_sim(tmp_path, ttft_ms=2, itl_ms=5)
     second = start_sim(tmp_path, ttft_ms=2, itl_ms=5)
-    gw = start_gateway(tmp_path, {"backends": [backend("a", first.url)], "health": {"interval_s": 0.2}})
+    gw = start_gateway(
+        tmp_path, {"backends": [backend("a", first.url)], "health": {"interval_s": 0.2}}
+    )
     stop = threading.Event()
     failures: list[str] = []
     completed = [0]
@@ -43,7 +45,9 @@ def test_reload_under_streaming_traffic_fails_no_request(tmp_path: Path) -> None
     try:
         wait_until(lambda: completed[0] >= 10)
         # Add a backend by admin endpoint, then swap the first out by SIGHUP.
-        gw.write_config({**gw.config, "backends": [backend("a", first.url), backend("b", second.url)]})
+        gw.write_config(
+            {**gw.config, "backends": [backend("a", first.url), backend("b", second.url)]}
+        )
         assert httpx.post(gw.url + "/admin/reload", timeout=5).json()["ok"] is True
         wait_until(lambda: any(b["name"] == "b" and b["healthy"] for b in gw.state()["backends"]))
         mark = completed[0]
@@ -96,9 +100,19 @@ def test_client_keys_and_admin_token(tmp_path: Path) -> None:
         missing = httpx.post(url, json=body, timeout=5)
         assert missing.status_code == 401
         assert missing.json()["error"]["type"] == "authentication_error"
-        assert httpx.post(url, json=body, headers={"authorization": "Bearer wrong"}, timeout=5).status_code == 401
+        assert (
+            httpx.post(
+                url, json=body, headers={"authorization": "Bearer wrong"}, timeout=5
+            ).status_code
+            == 401
+        )
         for key in ("k-one", "k-three"):
-            assert httpx.post(url, json=body, headers={"authorization": f"Bearer {key}"}, timeout=5).status_code == 200
+            assert (
+                httpx.post(
+                    url, json=body, headers={"authorization": f"Bearer {key}"}, timeout=5
+                ).status_code
+                == 200
+            )
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="k-two", max_retries=0)
         assert client.models.list().data[0].id == MODEL
         try:
@@ -107,9 +121,58 @@ def test_client_keys_and_admin_token(tmp_path: Path) -> None:
         except openai.AuthenticationError:
             pass
         assert httpx.get(gw.url + "/admin/state", timeout=5).status_code == 401
-        assert httpx.get(gw.url + "/admin/state", headers={"authorization": "Bearer k-one"}, timeout=5).status_code == 401
-        assert httpx.post(gw.url + "/admin/reload", headers={"authorization": "Bearer adm"}, timeout=5).status_code == 200
+        assert (
+            httpx.get(
+                gw.url + "/admin/state", headers={"authorization": "Bearer k-one"}, timeout=5
+            ).status_code
+            == 401
+        )
+        assert (
+            httpx.post(
+                gw.url + "/admin/reload", headers={"authorization": "Bearer adm"}, timeout=5
+            ).status_code
+            == 200
+        )
         assert httpx.get(gw.url + "/health", timeout=5).status_code == 200  # never gated
     finally:
         gw.proc.stop()
         sim.stop()
+
+
+def test_watched_config_file_reloads_itself(tmp_path: Path) -> None:
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    gw = start_gateway(tmp_path, {"backends": [backend("a", sim.url)], "watch_config": True})
+    try:
+        gw.write_config({**gw.config, "backends": [backend("renamed", sim.url)]})
+        wait_until(lambda: [b["name"] for b in gw.state()["backends"]] == ["renamed"])
+        ok = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1}, timeout=10)
+        assert ok.headers["x-kneecap-backend"] == "renamed"
+    finally:
+        gw.proc.stop()
+        sim.stop()
+
+
+def test_models_are_discovered_and_listed_as_a_union(tmp_path: Path) -> None:
+    qwen = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    llama = start_sim(tmp_path, ttft_ms=1, itl_ms=1, model="meta-llama/Llama-3.1-8B")
+    config = {
+        "backends": [
+            {"name": "q", "url": qwen.url},  # no models: discovered from /v1/models
+            {"name": "l", "url": llama.url, "pool": "long"},
+        ]
+    }
+    gw = start_gateway(tmp_path, config)
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        assert sorted(m.id for m in client.models.list().data) == sorted(
+            [MODEL, "meta-llama/Llama-3.1-8B"]
+        )
+        reply = client.chat.completions.with_raw_response.create(
+            model="meta-llama/Llama-3.1-8B", messages=CHAT["messages"], max_tokens=1
+        )
+        assert reply.headers["x-kneecap-backend"] == "l"
+        llama.kill()
+        wait_until(lambda: [m.id for m in client.models.list().data] == [MODEL], timeout=20)
+    finally:
+        gw.proc.stop()
+        qwen.stop()

@@ -65,7 +65,7 @@ def create_sim_app(engine: AsyncEngine, model: str) -> Starlette:
         parsed = await parse(request)
         if isinstance(parsed, Response):
             return parsed
-        payload, body = parsed
+        payload, _ = parsed
         chat = request.url.path.endswith("/chat/completions")
         if chat and not isinstance(payload.get("messages"), list):
             return _error("messages: field required", 400, param="messages")
@@ -78,9 +78,11 @@ def create_sim_app(engine: AsyncEngine, model: str) -> Starlette:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error("max_tokens must be a positive integer", 400, param="max_tokens")
         if prompt_tokens + max_tokens > MAX_MODEL_LEN:
+            requested = prompt_tokens + max_tokens
             return _error(
-                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion).",
+                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you "
+                f"requested {requested} tokens ({prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion).",
                 400,
             )
         ident = wire.Identity.for_request("chatcmpl" if chat else "cmpl", payload)
