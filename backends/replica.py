@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.settings import BackendConfig
+from gateway.window import RollingWindow
 
 UNLIMITED = 1 << 30
 
@@ -29,6 +30,7 @@ class Replica:
     consecutive_failures: int = 0
     discovered_models: frozenset[str] = frozenset()
     engine: EngineGauges = field(default_factory=EngineGauges)
+    window: RollingWindow = field(default_factory=RollingWindow)
 
     @property
     def name(self) -> str:
@@ -41,6 +43,13 @@ class Replica:
     @property
     def models(self) -> frozenset[str]:
         return frozenset(self.config.models) if self.config.models else self.discovered_models
+
+    def fresh_engine(self, now: float, staleness_s: float) -> EngineGauges | None:
+        """The engine's own figures, unless missing or older than ``staleness_s``."""
+        scraped = self.engine.scraped_at
+        if scraped is None or now - scraped > staleness_s:
+            return None
+        return self.engine
 
     @property
     def has_room(self) -> bool:

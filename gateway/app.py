@@ -10,6 +10,7 @@ from pathlib import Path
 
 import anyio
 import httpx
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -17,9 +18,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from backends.health import HealthProber, probe_all
+from backends.scrape import scrape_loop
 from gateway.config_watch import watch_config_file
 from gateway.errors import GatewayError, NotFound, error_body, openai_error_response
+from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestIdMiddleware
+from gateway.recording import Recorder
 from gateway.routes import ROUTES
 from gateway.runtime import Runtime, Snapshot
 from gateway.settings import Settings
@@ -67,9 +71,12 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Runtime]]:
         client = build_client(settings)
         urls = dict(sim_urls or {})
+        registry = CollectorRegistry()
         runtime = Runtime(
             current=Snapshot.build(settings, None, urls),
             client=client,
+            recorder=Recorder(GatewayMetrics(registry)),
+            metrics_registry=registry,
             config_path=Path(config_path) if config_path else None,
             sim_urls=urls,
         )
@@ -78,12 +85,17 @@ def create_app(
             snapshot = runtime.current
             return snapshot.backends, snapshot.settings.health
 
+        def scrape_view():
+            snapshot = runtime.current
+            return snapshot.backends, snapshot.settings.measurement.scrape_interval_s
+
         prober = HealthProber(client, health_view, runtime.notify)
         runtime.on_reload = prober.probe_soon
         # One probe round before serving, so /ready and routing start informed.
         await probe_all(client, runtime.current.backends, settings.health, runtime.notify)
         async with anyio.create_task_group() as group:
             group.start_soon(prober.run)
+            group.start_soon(scrape_loop, client, scrape_view, _no_op)
             if settings.watch_config and runtime.config_path:
                 group.start_soon(watch_config_file, runtime)
             _install_sighup(runtime)
@@ -102,6 +114,10 @@ def create_app(
         exception_handlers={GatewayError: _gateway_error, HTTPException: _http_error},
         lifespan=lifespan,
     )
+
+
+def _no_op() -> None:
+    return None
 
 
 def _install_sighup(runtime: Runtime) -> None:

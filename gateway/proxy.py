@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +18,19 @@ import httpx
 from starlette.responses import Response
 
 from backends.replica import Replica
-from gateway.errors import ModelNotFound, RateLimited, Unavailable, UpstreamError, UpstreamTimeout
+from gateway.errors import (
+    GatewayError,
+    ModelNotFound,
+    RateLimited,
+    Unavailable,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from gateway.meter import StreamMeter, Usage
+from gateway.record import RequestStatus
+from gateway.recording import Flight
 from gateway.relay import HOP_BY_HOP, StreamEnd, StreamRelay, response_headers
-from gateway.runtime import Runtime, Snapshot
+from gateway.runtime import Runtime
 from policies.admission import (
     Lease,
     NoHealthyBackend,
@@ -38,6 +47,13 @@ from policies.prompt_size import estimate_prompt_tokens
 # Client headers that are the gateway's business, not the backend's.
 _NOT_FORWARDED = HOP_BY_HOP | {"authorization", "accept-encoding", "x-request-id"}
 _PRIORITY_HEADER = "x-kneecap-priority"
+_OUTCOME: dict[RequestStatus, Outcome] = {
+    "ok": Outcome.SUCCESS,
+    "client_closed": Outcome.IGNORE,
+    "client_error": Outcome.IGNORE,
+    "upstream_error": Outcome.DROPPED,
+    "upstream_timeout": Outcome.DROPPED,
+}
 
 
 @dataclass(slots=True)
@@ -82,6 +98,10 @@ def _prepare_stream(request: ProxyRequest) -> bool:
     return True
 
 
+def _status_of(error: Exception) -> RequestStatus:
+    return "upstream_timeout" if isinstance(error, httpx.TimeoutException) else "upstream_error"
+
+
 async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRelay:
     snapshot = runtime.current
     settings = snapshot.settings
@@ -91,14 +111,18 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
     healthy_pools = {r.pool for r in serving if r.healthy}
     if not healthy_pools:
+        runtime.recorder.rejected(serving[0].pool, "no_backend")
         raise Unavailable(f"no healthy backend serves model `{model}`")
     pool = choose_pool(settings.pools, healthy_pools, estimate_prompt_tokens(request.payload))
     assert pool is not None  # healthy_pools is not empty
     streaming = request.payload.get("stream") is True
     strip_usage = _prepare_stream(request) if streaming else False
+    flight = Flight(pool=pool, model=model, stream=streaming, started=request.started)
     tried: set[str] = set()
     last_error: Exception | None = None
-    for attempt in range(settings.upstream.max_attempts):
+    last_replica: Replica | None = None
+    max_attempts = settings.upstream.max_attempts
+    for attempt in range(max_attempts):
         candidates = [
             r
             for r in runtime.current.backends.in_pool(pool)
@@ -106,10 +130,13 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
         ]
         if not candidates:
             break
-        lease = await _admit(runtime, snapshot, pool, request, candidates)
-        replica = lease.backend
+        if last_replica is not None:
+            runtime.recorder.retried(last_replica)
+        lease = await _admit(runtime, flight, request, candidates)
+        flight.admitted = time.perf_counter()
+        replica = last_replica = lease.backend
         tried.add(replica.name)
-        last_attempt = attempt == settings.upstream.max_attempts - 1 or len(candidates) == 1
+        last_attempt = attempt == max_attempts - 1 or len(candidates) == 1
         try:
             upstream = await runtime.client.send(
                 runtime.client.build_request(
@@ -135,82 +162,106 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
         extra = {"x-request-id": request.request_id, "x-kneecap-backend": replica.name}
         if streaming and upstream.status_code == 200:
             meter = StreamMeter(started=request.started, strip_usage=strip_usage)
-            return StreamRelay(upstream, meter, extra, _stream_finisher(runtime, lease, replica))
-        return await _buffered(upstream, lease, extra)
+            finish = _stream_finisher(runtime, flight, lease)
+            return StreamRelay(upstream, meter, extra, finish)
+        return await _buffered(runtime, flight, upstream, lease, extra)
+    if last_replica is not None and last_error is not None:
+        runtime.recorder.finished(flight, last_replica, _status_of(last_error))
     if isinstance(last_error, httpx.TimeoutException):
         raise UpstreamTimeout(f"upstream timed out: {last_error}")
     if last_error is not None:
         raise UpstreamError(
             f"every attempt failed; last: {type(last_error).__name__}: {last_error}"
         )
+    runtime.recorder.rejected(pool, "no_backend")
     raise Unavailable(f"no healthy backend serves model `{model}`")
 
 
 async def _admit(
-    runtime: Runtime,
-    snapshot: Snapshot,
-    pool: str,
-    request: ProxyRequest,
-    candidates: list[Replica],
+    runtime: Runtime, flight: Flight, request: ProxyRequest, candidates: list[Replica]
 ) -> Lease[Replica]:
-    admission = runtime.admission(pool)
-    pool_config = snapshot.settings.pools[pool]
+    pool = flight.pool
+    pool_config = runtime.current.settings.pools[pool]
 
     def pick() -> Replica | None:
         return pick_least_loaded(candidates)
 
     deadline = time.monotonic() + pool_config.max_queue_wait_s
     try:
-        return await admission.acquire(pick, priority=_priority(request.headers), deadline=deadline)
+        return await runtime.admission(pool).acquire(
+            pick, priority=_priority(request.headers), deadline=deadline
+        )
     except QueueFull as exc:
-        raise RateLimited(
-            f"pool `{pool}` queue is full",
-            code="queue_full",
-            headers={"retry-after": str(round(exc.retry_after))},
-        ) from exc
+        raise _shed(runtime, pool, "queue_full", f"pool `{pool}` queue is full", exc) from exc
     except QueueTimeout as exc:
-        raise RateLimited(
-            f"no capacity in pool `{pool}` within the queue deadline",
-            code="queue_timeout",
-            headers={"retry-after": str(round(exc.retry_after))},
-        ) from exc
-    except (NoHealthyBackend, ShuttingDown) as exc:
-        raise Unavailable(str(exc) or "gateway is shutting down") from exc
+        message = f"no capacity in pool `{pool}` within the queue deadline"
+        raise _shed(runtime, pool, "queue_timeout", message, exc) from exc
+    except NoHealthyBackend as exc:
+        runtime.recorder.rejected(pool, "no_backend")
+        raise Unavailable(str(exc)) from exc
+    except ShuttingDown as exc:
+        runtime.recorder.rejected(pool, "shutting_down")
+        raise Unavailable("the gateway is shutting down", code="shutting_down") from exc
 
 
-def _stream_finisher(runtime: Runtime, lease: Lease[Replica], replica: Replica):
+def _shed(
+    runtime: Runtime,
+    pool: str,
+    reason: str,
+    message: str,
+    exc: QueueFull | QueueTimeout,
+) -> GatewayError:
+    runtime.recorder.rejected(pool, reason)  # type: ignore[arg-type]
+    retry_after = str(max(1, round(exc.retry_after or 1)))
+    return RateLimited(message, code=reason, headers={"retry-after": retry_after})
+
+
+def _stream_finisher(
+    runtime: Runtime, flight: Flight, lease: Lease[Replica]
+) -> Callable[[StreamEnd], None]:
     def finish(end: StreamEnd) -> None:
-        outcome = {
-            "ok": Outcome.SUCCESS,
-            "client_closed": Outcome.IGNORE,
-            "upstream_error": Outcome.DROPPED,
-        }[end.status]
-        if end.status == "upstream_error":
-            replica.record_failure(runtime.current.settings.health.failure_threshold)
-        lease.release(outcome)
+        replica = lease.backend
+        try:
+            if _OUTCOME[end.status] is Outcome.DROPPED:
+                replica.record_failure(runtime.current.settings.health.failure_threshold)
+            runtime.recorder.finished(flight, replica, end.status, meter=end.meter)
+        finally:
+            lease.release(_OUTCOME[end.status])
 
     return finish
 
 
 async def _buffered(
-    upstream: httpx.Response, lease: Lease[Replica], extra: dict[str, str]
+    runtime: Runtime,
+    flight: Flight,
+    upstream: httpx.Response,
+    lease: Lease[Replica],
+    extra: dict[str, str],
 ) -> Response:
-    outcome = Outcome.DROPPED
+    status: RequestStatus = "upstream_error"
+    usage = None
     try:
         body = await upstream.aread()
-        outcome = Outcome.SUCCESS if upstream.status_code < 400 else Outcome.IGNORE
+        status = "ok" if upstream.status_code < 400 else "client_error"
+        if upstream.status_code >= 500:
+            status = "upstream_error"
+        usage = _usage_of(body) if status == "ok" else None
     except httpx.HTTPError as exc:
+        status = _status_of(exc)
         raise UpstreamError(f"upstream failed while sending its answer: {exc}") from exc
     finally:
         await upstream.aclose()
-        lease.release(outcome)
+        try:
+            runtime.recorder.finished(flight, lease.backend, status, usage=usage)
+        finally:
+            lease.release(_OUTCOME[status])
     response = Response(body, status_code=upstream.status_code)
     length = (b"content-length", str(len(body)).encode())
     response.raw_headers = [*response_headers(upstream, extra), length]
     return response
 
 
-def usage_of(body: bytes) -> Usage | None:
+def _usage_of(body: bytes) -> Usage | None:
     try:
         return Usage.from_json(json.loads(body).get("usage"))
     except (ValueError, AttributeError):

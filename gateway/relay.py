@@ -18,6 +18,7 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from gateway.meter import StreamMeter
+from gateway.record import RequestStatus
 from gateway.sse import SSEFramer, join_events
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus what the relay recomputes itself.
@@ -51,7 +52,7 @@ def response_headers(upstream: httpx.Response, extra: dict[str, str]) -> list[tu
 class StreamEnd:
     """How a relayed stream ended; handed to the request's finisher."""
 
-    status: str  # "ok" | "client_closed" | "upstream_error"
+    status: RequestStatus  # "ok" | "client_closed" | "upstream_error" | "upstream_timeout"
     meter: StreamMeter
     error: str | None = None
 

@@ -10,7 +10,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from backends.replica import Replica
 from gateway.errors import InvalidRequest, PayloadTooLarge, Unauthorized
+from gateway.metrics import render
 from gateway.middleware import REQUEST_ID_SCOPE_KEY
 from gateway.proxy import ProxyRequest, proxy
 from gateway.runtime import Runtime
@@ -122,26 +124,41 @@ async def admin_reload(request: Request) -> Response:
     )
 
 
+def backend_view(replica: Replica, now: float, mono: float, staleness_s: float) -> dict[str, Any]:
+    engine = replica.fresh_engine(mono, staleness_s)
+    return {
+        "name": replica.name,
+        "pool": replica.pool,
+        "url": replica.url,
+        "healthy": replica.healthy,
+        "in_flight": replica.in_flight,
+        "limit": replica.limit,
+        "models": sorted(replica.models),
+        "window": replica.window.stats(now).as_dict(),
+        "engine": None
+        if engine is None
+        else {"running": engine.running, "waiting": engine.waiting, "kv_usage": engine.kv_usage},
+    }
+
+
 async def admin_state(request: Request) -> Response:
     require_admin(request)
     runtime = runtime_of(request)
-    backends = [
-        {
-            "name": r.name,
-            "pool": r.pool,
-            "url": r.url,
-            "healthy": r.healthy,
-            "in_flight": r.in_flight,
-            "limit": r.limit,
-            "models": sorted(r.models),
-        }
-        for r in runtime.current.backends.replicas
-    ]
+    now, mono = time.perf_counter(), time.monotonic()
+    staleness = runtime.current.settings.measurement.scrape_staleness_s
+    backends = [backend_view(r, now, mono, staleness) for r in runtime.current.backends.replicas]
     pools = {
         name: {"queue_depth": a.depth(), "leased": a.leased}
         for name, a in runtime.admissions.items()
     }
     return JSONResponse({"backends": backends, "pools": pools})
+
+
+async def metrics(request: Request) -> Response:
+    runtime = runtime_of(request)
+    runtime.refresh_gauges()
+    body, content_type = render(runtime.metrics_registry, request.headers.get("accept"))
+    return Response(body, headers={"content-type": content_type})
 
 
 ROUTES = [
@@ -153,4 +170,5 @@ ROUTES = [
     Route("/ready", ready, methods=["GET"]),
     Route("/admin/reload", admin_reload, methods=["POST"]),
     Route("/admin/state", admin_state, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
 ]

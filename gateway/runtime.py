@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client import CollectorRegistry
 
 from backends.pool import BackendSet
 from backends.replica import Replica
+from gateway.metrics import GatewayMetrics
+from gateway.recording import Recorder
 from gateway.settings import ConfigError, Settings, load_settings
-from policies.admission import PoolAdmission
+from policies.admission import PoolAdmission, Priority
 
 log = logging.getLogger("kneecap.runtime")
 
@@ -65,6 +69,8 @@ class ReloadResult:
 class Runtime:
     current: Snapshot
     client: httpx.AsyncClient
+    recorder: Recorder
+    metrics_registry: CollectorRegistry
     config_path: Path | None = None
     sim_urls: dict[str, str] = field(default_factory=dict)
     admissions: dict[str, PoolAdmission] = field(default_factory=dict)
@@ -73,6 +79,50 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self._sync_admissions()
+        self._sync_metrics(None)
+
+    @property
+    def metrics(self) -> GatewayMetrics:
+        return self.recorder.metrics
+
+    def _sync_metrics(self, previous: BackendSet | None) -> None:
+        """Register series of new backends and pools; drop those of removed backends."""
+        for pool in self.current.settings.pools:
+            self.metrics.register_pool(pool, [p.name.lower() for p in Priority])
+        kept = {r.name for r in self.current.backends.replicas}
+        for replica in previous.replicas if previous else ():
+            if replica.name not in kept:
+                self.metrics.remove_backend(replica.name)
+        for replica in self.current.backends.replicas:
+            self.metrics.register_backend(replica.name, replica.pool)
+            replica.window.span_s = self.current.settings.measurement.window_s
+
+    def refresh_gauges(self) -> None:
+        """Live state → gauges; run before each exposition, so requests pay nothing."""
+        now = time.perf_counter()
+        mono = time.monotonic()
+        staleness = self.current.settings.measurement.scrape_staleness_s
+        for replica in self.current.backends.replicas:
+            self.metrics.set_backend_state(
+                replica.name, up=replica.healthy, inflight=replica.in_flight, limit=replica.limit
+            )
+            engine = replica.fresh_engine(mono, staleness)
+            if engine is not None and engine.running is not None:
+                self.metrics.set_engine_stats(
+                    replica.name,
+                    running=engine.running,
+                    waiting=engine.waiting or 0.0,
+                    kv_cache_usage=engine.kv_usage,
+                )
+            else:  # no engine figures: the gateway's own count stands in
+                self.metrics.set_engine_stats(
+                    replica.name, running=replica.in_flight, waiting=0, kv_cache_usage=None
+                )
+            tokens_per_s = replica.window.stats(now).output_tokens_per_s
+            self.metrics.set_output_tokens_per_second(replica.name, tokens_per_s)
+        for pool, admission in self.admissions.items():
+            for priority in Priority:
+                self.metrics.set_queue_depth(pool, priority.name.lower(), admission.depth(priority))
 
     def admission(self, pool: str) -> PoolAdmission:
         return self.admissions[pool]
@@ -104,8 +154,10 @@ class Runtime:
         if unknown_sims:
             message = "simulated backends can only be added at startup: " + ", ".join(unknown_sims)
             return ReloadResult(False, message)
-        self.current = Snapshot.build(settings, self.current.backends, self.sim_urls)
+        previous = self.current.backends
+        self.current = Snapshot.build(settings, previous, self.sim_urls)
         self._sync_admissions()
+        self._sync_metrics(previous)
         self.notify()
         self.on_reload()
         names = ", ".join(r.name for r in self.current.backends.replicas)
@@ -119,7 +171,9 @@ class Runtime:
             settings = load_settings(self.config_path)
         except ConfigError as exc:
             log.error("config reload rejected, keeping the old config: %s", exc)
+            self.metrics.observe_config_reload(False)
             return ReloadResult(False, str(exc))
         result = self.apply(settings)
+        self.metrics.observe_config_reload(result.ok)
         (log.info if result.ok else log.error)("config reload: %s", result.message)
         return result

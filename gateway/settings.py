@@ -96,6 +96,12 @@ class UpstreamConfig(Frozen):
     max_connections: int = Field(1024, ge=1)
 
 
+class MeasurementConfig(Frozen):
+    window_s: float = Field(30.0, gt=0)  # rolling window of TTFT/ITL/tokens per backend
+    scrape_interval_s: float = Field(1.0, gt=0)  # engines' own /metrics
+    scrape_staleness_s: float = Field(5.0, gt=0)  # older engine figures count as absent
+
+
 class AuthConfig(Frozen):
     api_keys: tuple[SecretStr, ...] = ()
     api_keys_env: str | None = None  # comma-separated keys in this env variable
@@ -127,6 +133,7 @@ class Settings(BaseSettings):
     health: HealthConfig = HealthConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     auth: AuthConfig = AuthConfig()
+    measurement: MeasurementConfig = MeasurementConfig()
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     watch_config: bool = False
 

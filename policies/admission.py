@@ -35,23 +35,13 @@ from typing import Generic, Protocol, TypeVar
 
 import anyio
 
-from policies.priority_queue import Priority, PriorityQueue
-
-__all__ = [
-    "AdmissionError",
-    "Lease",
-    "NoHealthyBackend",
-    "Outcome",
-    "PoolAdmission",
-    "Priority",
-    "QueueFull",
-    "QueueTimeout",
-    "ShuttingDown",
-    "Slot",
-]
+# Priority is part of this module's interface (acquire's argument): re-exported.
+from policies.priority_queue import Priority as Priority
+from policies.priority_queue import PriorityQueue
 
 _RETRY_AFTER_MIN = 1.0
-_RETRY_AFTER_MAX = 60.0  # the openai SDK ignores a Retry-After above 60 s
+# Older openai SDKs honour a Retry-After only up to 60 s; newer ones give up above 120 s.
+_RETRY_AFTER_MAX = 60.0
 
 
 class Slot(Protocol):
@@ -81,6 +71,7 @@ class AdmissionError(Exception):
 
 
 class QueueFull(AdmissionError):
+    retry_after: float  # always set: every 429 carries a Retry-After
     code = "queue_full"
     http_status = 429
 
@@ -90,6 +81,7 @@ class QueueFull(AdmissionError):
 
 
 class QueueTimeout(AdmissionError):
+    retry_after: float  # always set: every 429 carries a Retry-After
     code = "queue_timeout"
     http_status = 429
 

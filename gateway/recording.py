@@ -1,0 +1,83 @@
+"""Where a finished request's measurements go: Prometheus and its backend's window.
+
+Called once per request, at its end (never per chunk). The clock is the
+relay's: ``time.perf_counter``, monotonic, the same one the meter timed with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from backends.replica import Replica
+from gateway.meter import StreamMeter, Usage
+from gateway.metrics import GatewayMetrics
+from gateway.record import RejectReason, RequestRecord, RequestStatus
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request's routing facts, fixed once it is admitted."""
+
+    pool: str
+    model: str
+    stream: bool
+    started: float  # receipt, perf_counter
+    admitted: float = 0.0  # admission to a backend, perf_counter
+
+
+class Recorder:
+    def __init__(
+        self, metrics: GatewayMetrics, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.metrics = metrics
+        self.clock = clock
+
+    def finished(
+        self,
+        flight: Flight,
+        replica: Replica,
+        status: RequestStatus,
+        *,
+        meter: StreamMeter | None = None,
+        usage: Usage | None = None,
+        finish_reason: str | None = None,
+    ) -> None:
+        end = self.clock()
+        if meter is not None:
+            usage = meter.usage
+            finish_reason = meter.finish_reason
+        ttft = meter.ttft if meter is not None else None
+        gaps = meter.token_gaps() if meter is not None else []
+        self.metrics.observe_request(
+            RequestRecord(
+                backend=replica.name,
+                pool=flight.pool,
+                model=flight.model,
+                status=status,
+                stream=flight.stream,
+                finish_reason=finish_reason,
+                queue_s=flight.admitted - flight.started,
+                ttft_s=ttft,
+                itl_s=gaps,
+                e2e_s=end - flight.started,
+                prompt_tokens=usage.prompt_tokens if usage else None,
+                completion_tokens=usage.completion_tokens if usage else None,
+            )
+        )
+        if status == "ok":
+            first_output = meter.first_output if meter is not None else flight.admitted
+            replica.window.add(
+                end,
+                ttft=ttft,
+                itl=gaps,
+                first_output=first_output,
+                completion_tokens=usage.completion_tokens if usage else 0,
+            )
+
+    def rejected(self, pool: str, reason: RejectReason) -> None:
+        self.metrics.observe_rejection(pool, reason)
+
+    def retried(self, replica: Replica) -> None:
+        self.metrics.observe_retry(replica.name)
