@@ -1,0 +1,179 @@
+"""The HTTP load generator: closed and open loop against an OpenAI base URL.
+
+One shared ``httpx.AsyncClient`` carries every request; its pool is sized above
+the largest number of requests in flight so the pool never becomes a second,
+hidden concurrency limit. The read timeout is the longest wait for the next
+chunk, a stall guard for token streams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import httpx
+
+from gateway.bench.client import (
+    ApiUrl,
+    TargetError,
+    error_message,
+    stream_request,
+    transport_message,
+)
+from gateway.bench.phase import LoadPoint, Phase, Ticket, arrival_gaps
+from gateway.bench.prompts import BodyOptions, Endpoint, PromptText, build_body, fit_prompts
+from gateway.bench.stats import RequestRecord
+from gateway.bench.target import Progress
+from gateway.bench.workload import RequestSpec, Workload
+
+PROBE_PROMPT_TOKENS = 16
+
+
+class HttpTarget:
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint: Endpoint,
+        model: str | None = None,
+        ignore_eos: bool = True,
+        api_key: str | None = None,
+        max_in_flight: int = 256,
+        stall_timeout_s: float = 120.0,
+        speed: float = 1.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.label = url
+        self._url = ApiUrl.parse(url)
+        self._endpoint = endpoint
+        self._model = model
+        self._ignore_eos = ignore_eos
+        # A simulator running ``speed`` times faster than real time is measured on
+        # its own time scale: every figure then compares with a virtual-clock run.
+        self._speed = speed
+        self._clock: Callable[[], float] = (lambda: clock() * speed) if speed != 1.0 else clock
+        self._prompts = PromptText(endpoint)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        size = max_in_flight + 16  # fillers and the probe never exceed this
+        self._client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(10.0, read=stall_timeout_s),
+            limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+        )
+
+    @property
+    def model(self) -> str | None:
+        return self._model
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def prepare(self, workloads: Sequence[Workload]) -> list[str]:
+        self._model = await self._resolve_model()
+        probe = RequestSpec(0, PROBE_PROMPT_TOKENS, 1, None, 0)
+        record = await self._request(probe, Ticket(0, counted=False))
+        if record.error is not None:
+            hint = ""
+            if "ignore_eos" in record.error:
+                hint = " (try --no-ignore-eos)"
+            raise TargetError(f"{self.label}: probe request failed: {record.error}{hint}")
+        targets = [n for w in workloads for n in w.prompt_classes]
+        notes = await fit_prompts(self._prompts, targets, self._count_tokens)
+        return [f"model {self._model}", *notes]
+
+    async def _resolve_model(self) -> str:
+        try:
+            response = await self._client.get(f"{self._url.api}/models")
+        except httpx.HTTPError as exc:
+            raise TargetError(f"cannot reach {self.label}: {transport_message(exc)}") from None
+        if response.status_code >= 400:
+            if self._model is not None and response.status_code == 404:
+                return self._model  # no model list; trust the user
+            message = error_message(response.status_code, response.content)
+            raise TargetError(f"{self._url.api}/models answered {message}")
+        try:
+            served = [m["id"] for m in response.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise TargetError(f"{self._url.api}/models did not return a model list") from None
+        if self._model is None:
+            if not served:
+                raise TargetError(f"{self.label} serves no models")
+            return str(served[0])
+        if self._model not in served:
+            raise TargetError(
+                f"model {self._model!r} is not served by {self.label} (it serves: "
+                f"{', '.join(served) or 'nothing'})"
+            )
+        return self._model
+
+    async def _count_tokens(self, prompt_part: dict[str, Any]) -> int | None:
+        try:
+            response = await self._client.post(
+                f"{self._url.root}/tokenize", json={"model": self._model, **prompt_part}
+            )
+            count = response.json().get("count") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return int(count) if isinstance(count, int) else None
+
+    async def _request(
+        self, spec: RequestSpec, ticket: Ticket, phase: Phase | None = None
+    ) -> RequestRecord:
+        assert self._model is not None, "prepare() first"
+        path, body = build_body(
+            spec, self._prompts, BodyOptions(self._model, self._endpoint, self._ignore_eos)
+        )
+        on_tokens = phase.delivered if phase is not None else (lambda n: None)
+        return await stream_request(
+            self._client,
+            self._url.api + path,
+            body,
+            prompt_tokens=spec.prompt_tokens,
+            prompt_class=spec.prompt_class,
+            on_tokens=on_tokens,
+            clock=self._clock,
+        )
+
+    async def run_point(self, point: LoadPoint, workload: Workload, progress: Progress) -> Phase:
+        phase = Phase(point)
+        done = anyio.Event()
+
+        async def one(ticket: Ticket) -> None:
+            record = await self._request(workload.spec(ticket.index), ticket, phase)
+            now = self._clock()
+            phase.finish(ticket, record, now)
+            progress.tick(phase, now)
+            if phase.done:
+                done.set()
+
+        async def worker() -> None:
+            while not phase.done:
+                await one(phase.issue(self._clock()))
+            done.set()  # issue() itself can close a point that ran by duration
+
+        async with anyio.create_task_group() as tg:
+            if point.kind == "concurrency":
+                for _ in range(int(point.load)):
+                    tg.start_soon(worker)
+            else:
+                tg.start_soon(self._arrivals, point, phase, one, done)
+            await done.wait()
+            tg.cancel_scope.cancel()  # fillers still in flight are not counted
+        return phase
+
+    async def _arrivals(self, point: LoadPoint, phase: Phase, one: Any, done: anyio.Event) -> None:
+        async with anyio.create_task_group() as tg:
+            due = self._clock()
+            for gap in arrival_gaps(point):
+                ticket = phase.issue(self._clock())
+                if phase.done:
+                    done.set()
+                    return
+                tg.start_soon(one, ticket)
+                due += gap
+                with anyio.move_on_after(max(0.0, due - self._clock()) / self._speed):
+                    await done.wait()
+                if done.is_set():
+                    return

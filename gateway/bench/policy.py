@@ -1,0 +1,61 @@
+"""``--emit-policy FILE``: the concurrency limit the admission controller starts from.
+
+``initial`` is the knee (the most conservative over the target's series);
+``max`` is the smallest measured load that already reaches the throughput
+plateau (within ``PLATEAU`` of the best), since admitting more buys nothing.
+A rate sweep is turned into requests in flight by Little's law at the knee.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import yaml
+
+from gateway.bench.stats import PointSummary
+from gateway.bench.sweep import SweepResult
+
+PLATEAU = 0.97
+
+
+class PolicyError(ValueError):
+    """No limit can be derived from this sweep; the message says why."""
+
+
+def _in_flight(p: PointSummary) -> int:
+    if p.load_kind == "concurrency":
+        return max(1, round(p.load))
+    mean_e2e = p.e2e.mean if p.e2e else 0.0
+    return max(1, math.ceil(p.request_s * mean_e2e))
+
+
+def policy_fragment(result: SweepResult, target: str) -> dict[str, Any]:
+    series = result.of_target(target)
+    knee = result.recommended(target)
+    if knee is None:
+        reasons = "; ".join(
+            (s.knee.slo.reason if s.knee.slo else s.knee.marginal.reason) for s in series
+        )
+        raise PolicyError(f"no knee to start from: {reasons}")
+    points = [p for s in series for p in s.points]
+    initial = min(_in_flight(p) for p in points if p.load == knee)
+    best = max(p.output_tok_s for p in points)
+    plateau = [p for p in points if p.output_tok_s >= PLATEAU * best]
+    maximum = max(initial, min(_in_flight(p) for p in plateau))
+    limit: dict[str, Any] = {"kind": "knee", "initial": initial, "min": 1, "max": maximum}
+    if result.plan.slo is not None:
+        limit["slo"] = {f"{t.name}_s": round(t.limit_s, 6) for t in result.plan.slo.terms}
+    return {"limit": limit}
+
+
+def policy_yaml(result: SweepResult, target: str) -> str:
+    fragment = policy_fragment(result, target)
+    lines = [f"# kneecap bench against {target}"]
+    for s in result.of_target(target):
+        k = s.knee
+        why = k.slo.reason if k.basis == "slo" and k.slo else k.marginal.reason
+        knee = "none" if k.load is None else f"{k.load:g}"
+        lines.append(f"# {s.workload}-token prompts: knee {knee} ({k.basis}): {why}")
+    body: str = yaml.safe_dump(fragment, sort_keys=False)
+    return "\n".join(lines) + "\n" + body
