@@ -75,7 +75,11 @@ def test_serve_runs_the_embedded_default_and_stops_on_ctrl_c(tmp_path: Path) -> 
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=5
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            max_tokens=5,
+            extra_body={"ignore_eos": True},
         )
         assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) == 5
         state = httpx.get(f"http://127.0.0.1:{port}/admin/state", timeout=5).json()

@@ -155,7 +155,7 @@ def test_sdk_raises_when_the_backend_dies_mid_stream(tmp_path: Path) -> None:
         stream = client.chat.completions.create(**CHAT, stream=True, max_tokens=500)
         received = 0
         with pytest.raises(openai.APIError, match="mid-stream"):
-            for chunk in stream:
+            for _ in stream:
                 received += 1
                 if received == 3:
                     sim.kill()

@@ -131,6 +131,7 @@ async def test_metrics_use_vllm_names_and_engine_seconds() -> None:
         "vllm:num_preemptions",
         "vllm:prompt_tokens",
         "vllm:generation_tokens",
+        "kneecap_sim_cancelled_requests",
         "vllm:time_to_first_token_seconds",
         "vllm:inter_token_latency_seconds",
         "vllm:e2e_request_latency_seconds",
@@ -159,6 +160,7 @@ async def test_sglang_metric_names() -> None:
         "sglang:time_to_first_token_seconds",
         "sglang:inter_token_latency_seconds",
         "sglang:e2e_request_latency_seconds",
+        "kneecap_sim_cancelled_requests",
     }
     assert 'model_name="Qwen/Qwen3-4B-AWQ"' in text
 

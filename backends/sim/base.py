@@ -43,14 +43,26 @@ class EngineStats:
     preemptions_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    cancelled_total: int = 0  # sequences dropped because their client went away
+
+
+class TokenIterator(Protocol):
+    def __aiter__(self) -> AsyncIterator[TokenEvent]: ...
+
+    async def __anext__(self) -> TokenEvent: ...
+
+    async def aclose(self) -> None:
+        """Stop early: the sequence is cancelled and its KV freed."""
+        ...
 
 
 class AsyncEngine(Protocol):
     """What the HTTP face needs from an engine running on a real clock."""
 
     flavor: EngineFlavor
+    max_model_len: int
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+    def generate(self, request: GenerationRequest) -> TokenIterator: ...
 
     def stats(self) -> EngineStats: ...
 

@@ -134,6 +134,8 @@ def render_metrics(
     sample(names.kv_usage, "gauge", stats.kv_usage)
     for name, field in names.counters:
         sample(name, "counter", getattr(stats, field))
+    # Not an engine metric: lets tests see that a disconnect reached the engine.
+    sample("kneecap_sim_cancelled_requests_total", "counter", stats.cancelled_total)
     for name, hist in (
         (names.ttft, timings.ttft),
         (names.itl, timings.itl),

@@ -8,15 +8,29 @@ engine lives beside it behind the same :class:`~backends.sim.base.AsyncEngine`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 
 import anyio
 
 from backends.sim.base import EngineFlavor, EngineStats, GenerationRequest, TokenEvent
-from backends.sim.exposition import EngineCounters, render_engine_metrics
+from backends.sim.engine_metrics import EngineTimings, render_metrics
+
+MAX_MODEL_LEN = 40960
+
+
+@dataclass(slots=True)
+class _Counters:
+    running: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    cancelled_total: int = 0
 
 
 class FixedLatencyEngine:
+    max_model_len = MAX_MODEL_LEN
+
     def __init__(
         self, *, ttft_s: float, itl_s: float, flavor: EngineFlavor = "vllm", model: str = "sim"
     ) -> None:
@@ -24,7 +38,8 @@ class FixedLatencyEngine:
         self.itl_s = itl_s
         self.flavor = flavor
         self.model = model
-        self.counters = EngineCounters()
+        self._counters = _Counters()
+        self._timings = EngineTimings(flavor)
 
     async def start(self) -> None:
         return None
@@ -32,20 +47,27 @@ class FixedLatencyEngine:
     async def aclose(self) -> None:
         return None
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        counters = self.counters
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
+        counters = self._counters
         counters.running += 1
         counters.prompt_tokens_total += request.prompt_tokens
+        arrival = last = time.monotonic()
         finished = False
         try:
             if self.ttft_s:
                 await anyio.sleep(self.ttft_s)
-            last = request.max_tokens - 1
+            final = request.max_tokens - 1
             for index in range(request.max_tokens):
                 if index and self.itl_s:
                     await anyio.sleep(self.itl_s)
+                now = time.monotonic()
+                (self._timings.itl if index else self._timings.ttft).observe(
+                    now - (last if index else arrival)
+                )
+                last = now
                 counters.generation_tokens_total += 1
-                yield TokenEvent(index, "length" if index == last else None)
+                yield TokenEvent(index, "length" if index == final else None)
+            self._timings.e2e.observe(time.monotonic() - arrival)
             finished = True
         finally:
             counters.running -= 1
@@ -53,7 +75,7 @@ class FixedLatencyEngine:
                 counters.cancelled_total += 1
 
     def stats(self) -> EngineStats:
-        c = self.counters
+        c = self._counters
         return EngineStats(
             running=c.running,
             waiting=0,
@@ -61,9 +83,8 @@ class FixedLatencyEngine:
             preemptions_total=0,
             prompt_tokens_total=c.prompt_tokens_total,
             generation_tokens_total=c.generation_tokens_total,
+            cancelled_total=c.cancelled_total,
         )
 
     def render_metrics(self) -> bytes:
-        return render_engine_metrics(
-            self.flavor, self.model, self.stats(), self.counters.cancelled_total
-        )
+        return render_metrics(self.flavor, self.model, self.stats(), self._timings)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -115,6 +116,8 @@ class RealtimeEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._open: dict[str, _Sink] = {}  # requests not finished yet
+        self._cancelled = 0
+        self.max_model_len = profile.model.max_context
 
     def engine_time(self) -> float:
         return (self._clock() - self._origin) * self.speed
@@ -135,13 +138,14 @@ class RealtimeEngine:
         self._core.cancel(request_id)
         sink = self._open.pop(request_id, None)
         if sink is not None:
+            self._cancelled += 1
             sink.send.close()
 
     def stats(self) -> EngineStats:
-        return self._core.stats()
+        return dataclasses.replace(self._core.stats(), cancelled_total=self._cancelled)
 
     def render_metrics(self) -> bytes:
-        return render_metrics(self.flavor, self.model_name, self._core.stats(), self._timings)
+        return render_metrics(self.flavor, self.model_name, self.stats(), self._timings)
 
     async def start(self) -> None:
         if self._task is None:

@@ -8,6 +8,7 @@ engine's iterator, which frees the sequence.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import struct
 from collections.abc import AsyncIterator
@@ -19,11 +20,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from backends.sim import wire
-from backends.sim.base import AsyncEngine, GenerationRequest
+from backends.sim.base import AsyncEngine, GenerationRequest, TokenIterator
 from backends.sim.tokenizer import count_chat_tokens, count_text_tokens
 
 DEFAULT_MAX_TOKENS = 256
-MAX_MODEL_LEN = 40960
 EMBEDDING_DIM = 16
 
 
@@ -47,6 +47,10 @@ def _prompt_tokens(payload: dict[str, Any]) -> int:
 
 
 def create_sim_app(engine: AsyncEngine, model: str) -> Starlette:
+    max_model_len = engine.max_model_len
+    # Requests without a client seed still get distinct EOS draws and texts.
+    unseeded = itertools.count(1)
+
     async def parse(request: Request) -> tuple[dict[str, Any], bytes] | Response:
         body = await request.body()
         try:
@@ -77,16 +81,16 @@ def create_sim_app(engine: AsyncEngine, model: str) -> Starlette:
         )
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error("max_tokens must be a positive integer", 400, param="max_tokens")
-        if prompt_tokens + max_tokens > MAX_MODEL_LEN:
+        if prompt_tokens + max_tokens > max_model_len:
             requested = prompt_tokens + max_tokens
             return _error(
-                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you "
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
                 f"requested {requested} tokens ({prompt_tokens} in the messages, "
                 f"{max_tokens} in the completion).",
                 400,
             )
         ident = wire.Identity.for_request("chatcmpl" if chat else "cmpl", payload)
-        seed = payload.get("seed") if isinstance(payload.get("seed"), int) else 0
+        seed = payload["seed"] if isinstance(payload.get("seed"), int) else next(unseeded)
         gen = GenerationRequest(
             request_id=ident.id,
             prompt_tokens=prompt_tokens,
@@ -94,26 +98,29 @@ def create_sim_app(engine: AsyncEngine, model: str) -> Starlette:
             ignore_eos=bool(payload.get("ignore_eos", False)),
             seed=seed,
         )
+        try:
+            tokens = engine.generate(gen)
+        except ValueError as exc:  # can never fit this engine's KV cache
+            return _error(str(exc), 400)
         if payload.get("stream"):
             options = payload.get("stream_options") or {}
             include_usage = isinstance(options, dict) and options.get("include_usage") is True
             return StreamingResponse(
-                _stream(engine, gen, ident, chat, include_usage), media_type="text/event-stream"
+                _stream(tokens, gen, ident, chat, include_usage), media_type="text/event-stream"
             )
-        return await _complete(engine, gen, ident, chat)
+        return await _complete(tokens, gen, ident, chat)
 
     async def _stream(
-        engine: AsyncEngine,
+        tokens: TokenIterator,
         gen: GenerationRequest,
         ident: wire.Identity,
         chat: bool,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        if chat:
-            yield wire.chat_chunk(ident, model, {"role": "assistant", "content": ""}, None)
         completion = 0
-        tokens = engine.generate(gen)
         try:
+            if chat:
+                yield wire.chat_chunk(ident, model, {"role": "assistant", "content": ""}, None)
             async for event in tokens:
                 completion += 1
                 text = wire.token_text(gen.seed, event.index)
@@ -122,20 +129,23 @@ def create_sim_app(engine: AsyncEngine, model: str) -> Starlette:
                 else:
                     yield wire.completion_chunk(ident, model, text, event.finish_reason)
         finally:
-            await tokens.aclose()  # type: ignore[attr-defined]
+            await tokens.aclose()
         if include_usage:
             name = "chat.completion.chunk" if chat else "text_completion"
             yield wire.usage_chunk(ident, model, name, gen.prompt_tokens, completion)
         yield wire.DONE
 
     async def _complete(
-        engine: AsyncEngine, gen: GenerationRequest, ident: wire.Identity, chat: bool
+        tokens: TokenIterator, gen: GenerationRequest, ident: wire.Identity, chat: bool
     ) -> Response:
         parts = []
         finish = None
-        async for event in engine.generate(gen):
-            parts.append(wire.token_text(gen.seed, event.index))
-            finish = event.finish_reason
+        try:
+            async for event in tokens:
+                parts.append(wire.token_text(gen.seed, event.index))
+                finish = event.finish_reason
+        finally:
+            await tokens.aclose()  # the client may have gone: free the sequence
         text = "".join(parts)
         usage = wire.usage(gen.prompt_tokens, len(parts))
         if chat:
@@ -202,7 +212,7 @@ def create_sim_app(engine: AsyncEngine, model: str) -> Starlette:
         payload, _ = parsed
         count = _prompt_tokens(payload)
         return JSONResponse(
-            {"count": count, "max_model_len": MAX_MODEL_LEN, "tokens": list(range(count))}
+            {"count": count, "max_model_len": max_model_len, "tokens": list(range(count))}
         )
 
     async def models(request: Request) -> Response:
@@ -211,7 +221,7 @@ def create_sim_app(engine: AsyncEngine, model: str) -> Starlette:
             "object": "model",
             "created": 0,
             "owned_by": "kneecap-sim",
-            "max_model_len": MAX_MODEL_LEN,
+            "max_model_len": max_model_len,
         }
         return JSONResponse({"object": "list", "data": [card]})
 

@@ -1,0 +1,64 @@
+"""The vocabulary shared by every limit controller.
+
+A limit controller turns windowed observations of one backend into that
+backend's concurrency limit. It is pure arithmetic: synchronous, no clock of
+its own (time arrives inside each :class:`Sample`), no I/O. Enforcing the limit
+(permits, queueing, rejections) is :mod:`policies.admission`'s business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One windowed observation of one backend, as the gateway measured it."""
+
+    now: float  # monotonic seconds when the window closed
+    # p95 over the window, seconds; None when the window holds too few requests.
+    # TTFT must exclude the gateway's own queue wait: the controller judges the
+    # backend, and queue wait grows with demand, not with the limit.
+    ttft_p95: float | None
+    itl_p95: float | None
+    output_tokens_per_s: float
+    in_flight: int  # permits held on this backend when the window closed
+    completed: int  # requests finished within the window
+    engine_waiting: int | None  # the engine's own num_requests_waiting, if scraped
+    demand: int  # requests queued for this backend's pool (unmet demand)
+
+
+class LimitController(Protocol):
+    """Feed a sample, read the limit."""
+
+    @property
+    def limit(self) -> int: ...
+
+    def update(self, sample: Sample) -> int:
+        """Digest one sample and return the (possibly new) limit."""
+        ...
+
+
+class LimitBounds(BaseModel):
+    """The knobs every controller has: where it starts and the range it keeps to."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    initial: int = Field(default=8, ge=1)
+    min: int = Field(default=1, ge=1)
+    max: int = Field(default=256, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if not self.min <= self.initial <= self.max:
+            raise ValueError(
+                f"need min <= initial <= max, got {self.min} <= {self.initial} <= {self.max}"
+            )
+        return self
+
+    def clamp(self, value: float) -> int:
+        """``value`` rounded down and kept within [min, max]."""
+        return max(self.min, min(self.max, int(value)))

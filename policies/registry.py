@@ -1,0 +1,54 @@
+"""Limit controllers by name, and what happens to a controller on config reload.
+
+``LimitConfig`` is the discriminated union the gateway's settings embed
+(``kind: static | knee | gradient``). Adding a controller means one module with
+a config model and a class, plus one row in ``_BUILDERS``.
+
+Reload semantics (``reconfigure``): the replacement controller is built from
+the new config and *starts at the old controller's limit, clamped into the new
+[min, max]*; an adaptive controller resumes carefully from there (the knee
+controller skips slow start). A static controller takes its new configured
+value instead. Permits already held and requests already queued are untouched:
+they live in admission, not here; a lower limit only stops new admissions
+until in-flight work drains below it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from policies.base import LimitController
+from policies.gradient import GradientLimit, GradientLimitConfig
+from policies.knee import KneeLimit, KneeLimitConfig
+from policies.static import StaticLimit, StaticLimitConfig
+
+LimitConfig = Annotated[
+    StaticLimitConfig | KneeLimitConfig | GradientLimitConfig, Field(discriminator="kind")
+]
+
+# Each builder takes its own config type and an optional carried-over limit.
+_BUILDERS: Mapping[str, Callable[[Any, int | None], LimitController]] = MappingProxyType(
+    {
+        "static": StaticLimit,
+        "knee": KneeLimit,
+        "gradient": GradientLimit,
+    }
+)
+
+
+def controller_kinds() -> tuple[str, ...]:
+    return tuple(_BUILDERS)
+
+
+def build_controller(config: LimitConfig, *, start: int | None = None) -> LimitController:
+    """A fresh controller for ``config``; ``start`` overrides ``config.initial``."""
+    return _BUILDERS[config.kind](config, start)
+
+
+def reconfigure(old: LimitController, new_config: LimitConfig) -> LimitController:
+    """The controller to use after a reload; see the module doc for the semantics."""
+    return build_controller(new_config, start=new_config.clamp(old.limit))
