@@ -96,6 +96,7 @@ def create_app(
         async with anyio.create_task_group() as group:
             group.start_soon(prober.run)
             group.start_soon(scrape_loop, client, scrape_view, _no_op)
+            group.start_soon(control_loop, runtime)
             if settings.watch_config and runtime.config_path:
                 group.start_soon(watch_config_file, runtime)
             _install_sighup(runtime)
@@ -118,6 +119,12 @@ def create_app(
 
 def _no_op() -> None:
     return None
+
+
+async def control_loop(runtime: Runtime) -> None:
+    while True:
+        await anyio.sleep(runtime.current.settings.admission.control_interval_s)
+        runtime.control_tick()
 
 
 def _install_sighup(runtime: Runtime) -> None:

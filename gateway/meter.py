@@ -15,10 +15,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.window import RollingWindow
+
 # A non-empty string value of an output field, or a tool-call delta.
-_OUTPUT = re.compile(rb'"(?:content|reasoning_content|reasoning|text)":"(?!")|"tool_calls":\[\{')
-_FINISH = re.compile(rb'"finish_reason":"([A-Za-z_]+)"')
+_OUTPUT = re.compile(
+    rb'"(?:content|reasoning_content|reasoning|text)"\s*:\s*"(?!")|"tool_calls"\s*:\s*\[\s*\{'
+)
+_FINISH = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]+)"')
+_USAGE_CHUNK = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _DONE = b"data: [DONE]"
+# Batching window updates keeps their cost off the per-chunk path while the
+# controller still sees a stream's tokens within a fraction of a second.
+FLUSH_INTERVAL_S = 0.25
 
 
 @dataclass(slots=True)
@@ -48,6 +56,12 @@ class StreamMeter:
     finish_reason: str | None = None
     upstream_error: bool = False
     done: bool = False
+    # Live feed of the backend's rolling window (None: not fed, e.g. in the bench).
+    window: RollingWindow | None = None
+    admitted: float = 0.0  # when the backend was chosen; its TTFT starts here
+    flushed_gaps: int = 0
+    flushed_events: int = 0
+    last_flush: float = 0.0
 
     def observe(self, events: list[bytes]) -> list[bytes] | None:
         """Record ``events``; returns the events to forward when one must be dropped."""
@@ -56,16 +70,18 @@ class StreamMeter:
         for position, event in enumerate(events):
             if _OUTPUT.search(event):
                 if self.first_output is None:
-                    self.first_output = now
+                    self.first_output = self.last_flush = now
+                    if self.window is not None:
+                        self.window.add_ttft(now, now - self.admitted)
                 else:
                     self.gaps.append(now - self.last_output)  # type: ignore[operator]
                 self.last_output = now
                 self.output_events += 1
-            if self.finish_reason is None and b'"finish_reason":"' in event:
+            if self.finish_reason is None and b'"finish_reason"' in event:
                 match = _FINISH.search(event)
                 if match:
                     self.finish_reason = match.group(1).decode()
-            if b'"usage":{' in event and b'"choices":[]' in event:
+            if b'"usage"' in event and _USAGE_CHUNK.search(event):
                 self._read_usage(event)
                 if self.strip_usage:
                     dropped = position
@@ -73,9 +89,22 @@ class StreamMeter:
                 self.done = True
             elif event.startswith(b'data: {"error"'):
                 self.upstream_error = True
+        if self.window is not None and now - self.last_flush >= FLUSH_INTERVAL_S:
+            self.flush(now)
         if dropped is None:
             return None
         return events[:dropped] + events[dropped + 1 :]
+
+    def flush(self, now: float) -> None:
+        """Hand the gaps and output events seen since the last flush to the window."""
+        window = self.window
+        if window is None:
+            return
+        window.add_itl(now, self.gaps[self.flushed_gaps :])
+        window.add_tokens(now, self.output_events - self.flushed_events)
+        self.flushed_gaps = len(self.gaps)
+        self.flushed_events = self.output_events
+        self.last_flush = now
 
     def _read_usage(self, event: bytes) -> None:
         payload = event.partition(b"data:")[2]

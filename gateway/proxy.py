@@ -14,12 +14,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import httpx
 from starlette.responses import Response
 
 from backends.replica import Replica
 from gateway.errors import (
     GatewayError,
+    InvalidRequest,
     ModelNotFound,
     RateLimited,
     Unavailable,
@@ -31,6 +33,7 @@ from gateway.record import RequestStatus
 from gateway.recording import Flight
 from gateway.relay import HOP_BY_HOP, StreamEnd, StreamRelay, response_headers
 from gateway.runtime import Runtime
+from gateway.settings import PoolConfig
 from policies.admission import (
     Lease,
     NoHealthyBackend,
@@ -47,6 +50,8 @@ from policies.prompt_size import estimate_prompt_tokens
 # Client headers that are the gateway's business, not the backend's.
 _NOT_FORWARDED = HOP_BY_HOP | {"authorization", "accept-encoding", "x-request-id"}
 _PRIORITY_HEADER = "x-kneecap-priority"
+_QUEUE_WAIT_HEADER = "x-kneecap-max-queue-wait"
+_PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 _OUTCOME: dict[RequestStatus, Outcome] = {
     "ok": Outcome.SUCCESS,
     "client_closed": Outcome.IGNORE,
@@ -64,11 +69,38 @@ class ProxyRequest:
     headers: Mapping[str, str]
     request_id: str
     started: float  # perf_counter at arrival
+    key_priority: str = "interactive"  # the API key's configured class
 
 
-def _priority(headers: Mapping[str, str]) -> Priority:
-    value = headers.get(_PRIORITY_HEADER, "").strip().lower()
-    return Priority.BATCH if value == "batch" else Priority.INTERACTIVE
+def _priority(request: ProxyRequest) -> Priority:
+    """The header's class, else the API key's."""
+    value = request.headers.get(_PRIORITY_HEADER)
+    if value is None:
+        return _PRIORITIES[request.key_priority]
+    priority = _PRIORITIES.get(value.strip().lower())
+    if priority is None:
+        raise InvalidRequest(
+            f"{_PRIORITY_HEADER} must be one of {', '.join(_PRIORITIES)}, got {value!r}",
+            code="invalid_priority",
+        )
+    return priority
+
+
+def _max_queue_wait(request: ProxyRequest, pool: PoolConfig) -> float:
+    """The pool's queue deadline, or the header's within the pool's ceiling."""
+    value = request.headers.get(_QUEUE_WAIT_HEADER)
+    if value is None:
+        return pool.max_queue_wait_s
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise InvalidRequest(
+            f"{_QUEUE_WAIT_HEADER} must be a number of seconds >= 0, got {value!r}",
+            code="invalid_queue_wait",
+        )
+    return min(seconds, pool.max_queue_wait_ceiling_s)
 
 
 def _upstream_headers(request: ProxyRequest, replica: Replica, forward_key: bool) -> dict[str, str]:
@@ -98,6 +130,14 @@ def _prepare_stream(request: ProxyRequest) -> bool:
     return True
 
 
+def _candidates(runtime: Runtime, pool: str, model: str, tried: set[str]) -> list[Replica]:
+    return [
+        r
+        for r in runtime.current.backends.in_pool(pool)
+        if r.healthy and model in r.models and r.name not in tried
+    ]
+
+
 def _status_of(error: Exception) -> RequestStatus:
     return "upstream_timeout" if isinstance(error, httpx.TimeoutException) else "upstream_error"
 
@@ -123,16 +163,12 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
     last_replica: Replica | None = None
     max_attempts = settings.upstream.max_attempts
     for attempt in range(max_attempts):
-        candidates = [
-            r
-            for r in runtime.current.backends.in_pool(pool)
-            if model in r.models and r.healthy and r.name not in tried
-        ]
+        candidates = _candidates(runtime, pool, model, tried)
         if not candidates:
             break
         if last_replica is not None:
             runtime.recorder.retried(last_replica)
-        lease = await _admit(runtime, flight, request, candidates)
+        lease = await _admit(runtime, flight, request, tried)
         flight.admitted = time.perf_counter()
         replica = last_replica = lease.backend
         tried.add(replica.name)
@@ -152,16 +188,25 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
             replica.record_failure(settings.health.failure_threshold)
             last_error = exc
             continue
+        except BaseException:  # cancelled: the client left while we connected
+            lease.release(Outcome.IGNORE)
+            raise
         if upstream.status_code >= 500 and not last_attempt:
-            await upstream.aclose()
             lease.release(Outcome.DROPPED)
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
             replica.record_failure(settings.health.failure_threshold)
             last_error = UpstreamError(f"backend {replica.name} answered {upstream.status_code}")
             continue
         replica.record_success()
         extra = {"x-request-id": request.request_id, "x-kneecap-backend": replica.name}
         if streaming and upstream.status_code == 200:
-            meter = StreamMeter(started=request.started, strip_usage=strip_usage)
+            meter = StreamMeter(
+                started=request.started,
+                strip_usage=strip_usage,
+                window=replica.window,
+                admitted=flight.admitted,
+            )
             finish = _stream_finisher(runtime, flight, lease)
             return StreamRelay(upstream, meter, extra, finish)
         return await _buffered(runtime, flight, upstream, lease, extra)
@@ -178,19 +223,23 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
 
 
 async def _admit(
-    runtime: Runtime, flight: Flight, request: ProxyRequest, candidates: list[Replica]
+    runtime: Runtime, flight: Flight, request: ProxyRequest, tried: set[str]
 ) -> Lease[Replica]:
     pool = flight.pool
     pool_config = runtime.current.settings.pools[pool]
+    priority = _priority(request)
+    deadline = time.monotonic() + _max_queue_wait(request, pool_config)
 
     def pick() -> Replica | None:
+        # Read the live snapshot each time: a waiter must see replicas readmitted
+        # or added while it queued, and fail fast when none is left.
+        candidates = _candidates(runtime, pool, flight.model, tried)
+        if not candidates:
+            raise NoHealthyBackend(f"no healthy backend in pool `{pool}` serves `{flight.model}`")
         return pick_least_loaded(candidates)
 
-    deadline = time.monotonic() + pool_config.max_queue_wait_s
     try:
-        return await runtime.admission(pool).acquire(
-            pick, priority=_priority(request.headers), deadline=deadline
-        )
+        return await runtime.admission(pool).acquire(pick, priority=priority, deadline=deadline)
     except QueueFull as exc:
         raise _shed(runtime, pool, "queue_full", f"pool `{pool}` queue is full", exc) from exc
     except QueueTimeout as exc:

@@ -66,15 +66,15 @@ class Recorder:
                 completion_tokens=usage.completion_tokens if usage else None,
             )
         )
+        window = replica.window
+        if meter is not None:
+            meter.flush(end)
         if status == "ok":
-            first_output = meter.first_output if meter is not None else flight.admitted
-            replica.window.add(
-                end,
-                ttft=ttft,
-                itl=gaps,
-                first_output=first_output,
-                completion_tokens=usage.completion_tokens if usage else 0,
-            )
+            window.add_completed(end)
+            # Usage is exact; the live feed counted output events, which may be fewer.
+            counted = meter.flushed_events if meter is not None else 0
+            if usage and usage.completion_tokens > counted:
+                window.add_tokens(end, usage.completion_tokens - counted)
 
     def rejected(self, pool: str, reason: RejectReason) -> None:
         self.metrics.observe_rejection(pool, reason)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Coroutine
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -15,6 +17,7 @@ from gateway.errors import InvalidRequest, PayloadTooLarge, Unauthorized
 from gateway.metrics import render
 from gateway.middleware import REQUEST_ID_SCOPE_KEY
 from gateway.proxy import ProxyRequest, proxy
+from gateway.relay import StreamRelay
 from gateway.runtime import Runtime
 
 # The field each endpoint cannot do without, besides `model`.
@@ -35,9 +38,12 @@ def bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def require_client_key(request: Request) -> None:
-    if not runtime_of(request).current.client_key_ok(bearer(request)):
+def require_client_key(request: Request) -> str:
+    """The caller's priority class; 401 unless the key is accepted."""
+    priority = runtime_of(request).current.client_priority(bearer(request))
+    if priority is None:
         raise Unauthorized("Incorrect or missing API key.")
+    return priority
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -77,7 +83,7 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
 
 async def proxied(request: Request) -> Any:
     started = time.perf_counter()
-    require_client_key(request)
+    key_priority = require_client_key(request)
     runtime = runtime_of(request)
     endpoint = request.url.path
     body = await read_body(request, runtime.current.settings.max_body_bytes)
@@ -89,8 +95,42 @@ async def proxied(request: Request) -> Any:
         headers=request.headers,
         request_id=request.scope.get(REQUEST_ID_SCOPE_KEY, ""),
         started=started,
+        key_priority=key_priority,
     )
-    return await proxy(runtime, proxy_request)
+    return await until_client_leaves(request, proxy(runtime, proxy_request))
+
+
+async def until_client_leaves(
+    request: Request, work: Coroutine[Any, Any, Response | StreamRelay]
+) -> Response | StreamRelay:
+    """Run ``work`` unless the client disconnects first (e.g. while queued).
+
+    uvicorn does not cancel a handler whose client went away; without this a
+    request waiting for admission would hold its queue place until its deadline.
+    Once ``work`` returns, the relay watches for disconnects itself.
+    """
+    result: list[Response | StreamRelay] = []
+    failure: list[Exception] = []
+
+    async def run_work(scope: anyio.CancelScope) -> None:
+        try:
+            result.append(await work)
+        except Exception as exc:  # re-raised below, unwrapped, for the error handlers
+            failure.append(exc)
+        scope.cancel()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run_work, group.cancel_scope)
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                group.cancel_scope.cancel()
+                break
+    if failure:
+        raise failure[0]
+    if result:
+        return result[0]
+    return Response(status_code=499)  # nobody is listening any more
 
 
 async def list_models(request: Request) -> Response:

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from backends.pool import BackendSet
 from backends.replica import Replica
+from gateway.control import LimitLoop
 from gateway.metrics import GatewayMetrics
 from gateway.recording import Recorder
 from gateway.settings import ConfigError, Settings, load_settings
@@ -31,7 +32,7 @@ log = logging.getLogger("kneecap.runtime")
 class Snapshot:
     settings: Settings
     backends: BackendSet
-    client_keys: tuple[bytes, ...] = ()
+    client_keys: tuple[tuple[bytes, str], ...] = ()  # (key, priority class)
     admin_token: bytes | None = None
 
     @classmethod
@@ -42,16 +43,21 @@ class Snapshot:
         return cls(
             settings=settings,
             backends=BackendSet.build(settings.backends, previous, sim_urls),
-            client_keys=tuple(k.encode() for k in settings.auth.client_keys()),
+            client_keys=tuple((k.encode(), p) for k, p in settings.auth.client_keys()),
             admin_token=admin.get_secret_value().encode() if admin else None,
         )
 
-    def client_key_ok(self, presented: str | None) -> bool:
+    def client_priority(self, presented: str | None) -> str | None:
+        """The presented key's priority class, or None when it is not accepted."""
         if not self.client_keys:
-            return True
+            return "interactive"
         candidate = (presented or "").encode()
+        matched = None
         # Compare against every key so timing does not reveal which one matched.
-        return sum(hmac.compare_digest(candidate, key) for key in self.client_keys) > 0
+        for key, priority in self.client_keys:
+            if hmac.compare_digest(candidate, key):
+                matched = priority
+        return matched
 
     def admin_ok(self, presented: str | None) -> bool:
         if self.admin_token is None:
@@ -76,10 +82,32 @@ class Runtime:
     admissions: dict[str, PoolAdmission] = field(default_factory=dict)
     # Called after a reload so that new replicas are probed now, not a full interval later.
     on_reload: Callable[[], None] = lambda: None
+    limits: LimitLoop = field(default_factory=LimitLoop)
 
     def __post_init__(self) -> None:
         self._sync_admissions()
         self._sync_metrics(None)
+        self._sync_limits()
+
+    def _sync_limits(self) -> None:
+        settings = self.current.settings
+        self.limits.sync(self.current.backends.replicas, lambda r: settings.limit_of(r.config))
+
+    def control_tick(self) -> None:
+        """One round of limit control; queued requests retry when a limit rose."""
+        now, mono = time.perf_counter(), time.monotonic()
+        staleness = self.current.settings.measurement.scrape_staleness_s
+
+        def engine_waiting(replica: Replica) -> int | None:
+            engine = replica.fresh_engine(mono, staleness)
+            return None if engine is None or engine.waiting is None else int(engine.waiting)
+
+        def demand(replica: Replica) -> int:
+            admission = self.admissions.get(replica.pool)
+            return admission.depth() if admission else 0
+
+        if self.limits.tick(self.current.backends.replicas, now, engine_waiting, demand):
+            self.notify()
 
     @property
     def metrics(self) -> GatewayMetrics:
@@ -158,6 +186,7 @@ class Runtime:
         self.current = Snapshot.build(settings, previous, self.sim_urls)
         self._sync_admissions()
         self._sync_metrics(previous)
+        self._sync_limits()
         self.notify()
         self.on_reload()
         names = ", ".join(r.name for r in self.current.backends.replicas)

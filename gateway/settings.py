@@ -15,6 +15,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from policies.knee import KneeLimitConfig
+from policies.registry import LimitConfig
+
 ENV_PREFIX = "KNEECAP_"
 CONFIG_ENV = "KNEECAP_CONFIG"
 
@@ -47,6 +50,7 @@ class BackendConfig(Frozen):
     api_key: SecretStr | None = None
     api_key_env: str | None = None
     sim: SimConfig | None = None
+    limit: LimitConfig | None = None  # overrides admission.limit for this backend
 
     @model_validator(mode="after")
     def _url_or_sim(self) -> BackendConfig:
@@ -71,6 +75,8 @@ class PoolConfig(Frozen):
     max_prompt_tokens: int | None = Field(None, gt=0)
     max_queue_depth: int = Field(256, ge=0)
     max_queue_wait_s: float = Field(30.0, ge=0)
+    # X-Kneecap-Max-Queue-Wait may ask for a different wait, up to this ceiling.
+    max_queue_wait_ceiling_s: float = Field(120.0, ge=0)
     # While both classes wait, at least this share of the freed permits goes to `batch`.
     batch_share: float = Field(0.1, ge=0, le=1)
 
@@ -96,24 +102,42 @@ class UpstreamConfig(Frozen):
     max_connections: int = Field(1024, ge=1)
 
 
+class AdmissionConfig(Frozen):
+    limit: LimitConfig = KneeLimitConfig()  # every backend's, unless it sets its own
+    control_interval_s: float = Field(1.0, gt=0)
+
+
+class ClientKey(Frozen):
+    key: SecretStr
+    priority: Literal["interactive", "batch"] = "interactive"
+
+
 class MeasurementConfig(Frozen):
-    window_s: float = Field(30.0, gt=0)  # rolling window of TTFT/ITL/tokens per backend
+    # Rolling window of TTFT/ITL/tokens per backend; keep it <= the knee controller's
+    # settle_s so that each judgement sees the level it judges.
+    window_s: float = Field(5.0, gt=0)
     scrape_interval_s: float = Field(1.0, gt=0)  # engines' own /metrics
     scrape_staleness_s: float = Field(5.0, gt=0)  # older engine figures count as absent
 
 
 class AuthConfig(Frozen):
-    api_keys: tuple[SecretStr, ...] = ()
+    # A key alone, or {key, priority} to give its requests a priority class.
+    api_keys: tuple[SecretStr | ClientKey, ...] = ()
     api_keys_env: str | None = None  # comma-separated keys in this env variable
     admin_token: SecretStr | None = None
     forward_client_key: bool = False
 
-    def client_keys(self) -> tuple[str, ...]:
-        keys = [k.get_secret_value() for k in self.api_keys]
+    def client_keys(self) -> tuple[tuple[str, str], ...]:
+        """(key, priority class) pairs."""
+        keys = [
+            (k.key.get_secret_value(), k.priority)
+            if isinstance(k, ClientKey)
+            else (k.get_secret_value(), "interactive")
+            for k in self.api_keys
+        ]
         if self.api_keys_env:
-            keys += [
-                k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()
-            ]
+            extra = os.environ.get(self.api_keys_env, "").split(",")
+            keys += [(k.strip(), "interactive") for k in extra if k.strip()]
         return tuple(keys)
 
 
@@ -133,6 +157,7 @@ class Settings(BaseSettings):
     health: HealthConfig = HealthConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     auth: AuthConfig = AuthConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     measurement: MeasurementConfig = MeasurementConfig()
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     watch_config: bool = False
@@ -155,6 +180,12 @@ class Settings(BaseSettings):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"backend names must be unique, repeated: {', '.join(duplicates)}")
+        largest = max((self.limit_of(b).max for b in self.backends), default=0)
+        if self.upstream.max_connections < largest:
+            raise ValueError(
+                f"upstream.max_connections ({self.upstream.max_connections}) must be at least the "
+                f"largest concurrency limit ({largest}), or the connection pool limits first"
+            )
         for backend in self.backends:
             if backend.pool not in self.pools:
                 known = ", ".join(sorted(self.pools))
@@ -163,6 +194,9 @@ class Settings(BaseSettings):
                     f"which is not defined (pools: {known})"
                 )
         return self
+
+    def limit_of(self, backend: BackendConfig) -> LimitConfig:
+        return backend.limit if backend.limit is not None else self.admission.limit
 
 
 class ConfigError(Exception):

@@ -1,10 +1,14 @@
 """Rolling, time-based windows of one backend's measured latency and throughput.
 
-The admission controller and ``/admin/state`` read these. Samples are kept
-with their (monotonic) time and dropped once older than the span; percentiles
-are computed on read, which happens about once a second, not per request.
-Output tokens are spread over each request's generation interval, so tokens/s
-does not jump when a long request finishes.
+Fed *while* streams run, not when they end: TTFT at the first output event,
+ITL gaps and output tokens in small batches as they are relayed (see
+:class:`gateway.meter.StreamMeter`), so the admission controller sees what
+the backend does now even when requests last minutes. TTFT here is the
+backend's: from admission to first output, the gateway's own queue excluded.
+
+Samples are kept with their (monotonic, ``perf_counter``) time and dropped
+once older than the span; percentiles are computed on read, about once a
+second, never per chunk.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
 @dataclass(frozen=True, slots=True)
 class WindowStats:
     completed: int
+    ttft_samples: int
     ttft_p50: float | None
     ttft_p95: float | None
     ttft_p99: float | None
@@ -39,65 +44,57 @@ class WindowStats:
 
 
 class RollingWindow:
-    def __init__(self, span_s: float = 30.0) -> None:
+    def __init__(self, span_s: float = 10.0, *, created: float | None = None) -> None:
         self.span_s = span_s
+        self._created = created
         self._ttft: deque[tuple[float, float]] = deque()
         self._itl: deque[tuple[float, float]] = deque()
-        # (first output, end, tokens): generation intervals of finished requests
-        self._generation: deque[tuple[float, float, int]] = deque()
+        self._tokens: deque[tuple[float, int]] = deque()
         self._completed: deque[float] = deque()
 
-    def add(
-        self,
-        end: float,
-        *,
-        ttft: float | None,
-        itl: Iterable[float],
-        first_output: float | None,
-        completion_tokens: int,
-    ) -> None:
-        self._completed.append(end)
-        if ttft is not None:
-            self._ttft.append((end, ttft))
-        self._itl.extend((end, gap) for gap in itl)
-        if completion_tokens:
-            self._generation.append(
-                (first_output if first_output is not None else end, end, completion_tokens)
-            )
+    def add_ttft(self, now: float, ttft: float) -> None:
+        self._mark(now)
+        self._ttft.append((now, ttft))
+
+    def add_itl(self, now: float, gaps: Iterable[float]) -> None:
+        self._itl.extend((now, gap) for gap in gaps)
+
+    def add_tokens(self, now: float, count: int) -> None:
+        self._mark(now)
+        if count:
+            self._tokens.append((now, count))
+
+    def add_completed(self, now: float) -> None:
+        self._mark(now)
+        self._completed.append(now)
 
     def stats(self, now: float) -> WindowStats:
         self._evict(now)
         ttft = sorted(v for _, v in self._ttft)
         itl = sorted(v for _, v in self._itl)
+        # A window younger than its span divides by its age, not the span.
+        age = now - self._created if self._created is not None else 0.0
+        elapsed = min(self.span_s, age) if age > 0 else self.span_s
         return WindowStats(
             completed=len(self._completed),
+            ttft_samples=len(ttft),
             ttft_p50=percentile(ttft, 50),
             ttft_p95=percentile(ttft, 95),
             ttft_p99=percentile(ttft, 99),
             itl_p50=percentile(itl, 50),
             itl_p95=percentile(itl, 95),
             itl_p99=percentile(itl, 99),
-            output_tokens_per_s=self._tokens_per_s(now),
+            output_tokens_per_s=sum(n for _, n in self._tokens) / elapsed,
         )
 
-    def _tokens_per_s(self, now: float) -> float:
-        start = now - self.span_s
-        tokens = 0.0
-        for first, end, count in self._generation:
-            if end <= first:
-                tokens += count if end >= start else 0
-                continue
-            overlap = min(end, now) - max(first, start)
-            if overlap > 0:
-                tokens += count * overlap / (end - first)
-        return tokens / self.span_s
+    def _mark(self, now: float) -> None:
+        if self._created is None:
+            self._created = now
 
     def _evict(self, now: float) -> None:
         horizon = now - self.span_s
-        for samples in (self._ttft, self._itl):
+        for samples in (self._ttft, self._itl, self._tokens):
             while samples and samples[0][0] < horizon:
                 samples.popleft()
         while self._completed and self._completed[0] < horizon:
             self._completed.popleft()
-        while self._generation and self._generation[0][1] < horizon:
-            self._generation.popleft()
