@@ -18,6 +18,7 @@ from gateway.bench.report import render
 from gateway.bench.slo import parse_slo
 from gateway.bench.stats import PointSummary, RequestRecord, summarize
 from gateway.bench.sweep import Series, SweepPlan, SweepResult, curve_of
+from gateway.settings import build_settings
 
 SLO = parse_slo("ttft_p95_ms=500")
 # load -> (output tok/s, TTFT s): linear to 32, flat after; TTFT explodes past 48.
@@ -102,10 +103,16 @@ def test_policy_fragment_starts_at_the_knee_and_caps_at_the_plateau() -> None:
     result = SweepResult(PLAN, (_series("A"), _series("A", "8192")))
     fragment = policy_fragment(result, "A")
     assert fragment == {
-        "limit": {"kind": "knee", "initial": 32, "min": 1, "max": 48, "slo": {"ttft_p95_s": 0.5}}
+        "admission": {
+            "limit": {"kind": "knee", "initial": 32, "min": 1, "max": 48, "ttft_p95_slo": 0.5}
+        }
     }
     text = policy_yaml(result, "A")
     assert yaml.safe_load(text) == fragment and text.startswith("# kneecap bench against A")
+    # It is a valid kneecap config as it stands.
+    settings = build_settings(fragment)
+    assert settings.admission.limit.initial == 32
+    assert settings.admission.limit.ttft_p95_slo == 0.5
 
 
 def test_policy_without_a_knee_is_an_error() -> None:

@@ -17,6 +17,8 @@ from gateway.bench.stats import PointSummary
 from gateway.bench.sweep import SweepResult
 
 PLATEAU = 0.97
+# SLO terms the knee controller enforces, by the config key it reads them from.
+CONTROLLER_SLO_KEYS = {"ttft_p95": "ttft_p95_slo", "itl_p95": "itl_p95_slo"}
 
 
 class PolicyError(ValueError):
@@ -44,9 +46,12 @@ def policy_fragment(result: SweepResult, target: str) -> dict[str, Any]:
     plateau = [p for p in points if p.output_tok_s >= PLATEAU * best]
     maximum = max(initial, min(_in_flight(p) for p in plateau))
     limit: dict[str, Any] = {"kind": "knee", "initial": initial, "min": 1, "max": maximum}
-    if result.plan.slo is not None:
-        limit["slo"] = {f"{t.name}_s": round(t.limit_s, 6) for t in result.plan.slo.terms}
-    return {"limit": limit}
+    for term in result.plan.slo.terms if result.plan.slo is not None else ():
+        key = CONTROLLER_SLO_KEYS.get(term.name)
+        if key is not None:
+            limit[key] = round(term.limit_s, 6)
+    # The fragment is a kneecap config: merge it into yours (or pass it to check-config).
+    return {"admission": {"limit": limit}}
 
 
 def policy_yaml(result: SweepResult, target: str) -> str:
@@ -57,5 +62,10 @@ def policy_yaml(result: SweepResult, target: str) -> str:
         why = k.slo.reason if k.basis == "slo" and k.slo else k.marginal.reason
         knee = "none" if k.load is None else f"{k.load:g}"
         lines.append(f"# {s.workload}-token prompts: knee {knee} ({k.basis}): {why}")
+    if result.plan.slo is not None:
+        unenforced = [t.name for t in result.plan.slo.terms if t.name not in CONTROLLER_SLO_KEYS]
+        if unenforced:
+            names = ", ".join(unenforced)
+            lines.append(f"# not enforced by the controller (it reads ttft_p95, itl_p95): {names}")
     body: str = yaml.safe_dump(fragment, sort_keys=False)
     return "\n".join(lines) + "\n" + body
