@@ -146,35 +146,9 @@ def create_sim_app(engine: AsyncEngine, model: str) -> Starlette:
                 finish = event.finish_reason
         finally:
             await tokens.aclose()  # the client may have gone: free the sequence
-        text = "".join(parts)
         usage = wire.usage(gen.prompt_tokens, len(parts))
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": None,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": None,
-            }
-            obj = "text_completion"
-        body = {
-            "id": ident.id,
-            "object": obj,
-            "created": ident.created,
-            "model": model,
-            "choices": [choice],
-            "usage": usage,
-        }
-        return Response(wire.dumps(body), media_type="application/json")
+        body = wire.full_response(ident, model, chat, "".join(parts), finish, usage)
+        return Response(body, media_type="application/json")
 
     async def embeddings(request: Request) -> Response:
         parsed = await parse(request)

@@ -59,14 +59,18 @@ def chat_chunk(ident: Identity, model: str, delta: dict[str, Any], finish: str |
     )
 
 
-def completion_chunk(ident: Identity, model: str, text: str, finish: str | None) -> bytes:
-    choice = {
+def _text_choice(text: str, finish: str | None) -> dict[str, Any]:
+    return {
         "index": 0,
         "text": text,
         "logprobs": None,
         "finish_reason": finish,
         "stop_reason": None,
     }
+
+
+def completion_chunk(ident: Identity, model: str, text: str, finish: str | None) -> bytes:
+    choice = _text_choice(text, finish)
     return sse(
         {
             "id": ident.id,
@@ -104,4 +108,31 @@ def usage_chunk(
 def error(message: str, error_type: str, status: int, param: str | None = None) -> bytes:
     return dumps(
         {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    )
+
+
+def full_response(
+    ident: Identity, model: str, chat: bool, text: str, finish: str | None, usage: dict[str, int]
+) -> bytes:
+    """A non-streamed answer: chat.completion or text_completion."""
+    if chat:
+        message = {"role": "assistant", "content": text, "tool_calls": []}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
+    else:
+        choice = _text_choice(text, finish)
+    return dumps(
+        {
+            "id": ident.id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": ident.created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
     )
