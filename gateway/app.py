@@ -6,6 +6,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Mapping
+from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
 
 import anyio
@@ -27,13 +28,22 @@ from gateway.recording import Recorder
 from gateway.routes import ROUTES
 from gateway.runtime import Runtime, Snapshot
 from gateway.settings import Settings
+from gateway.upstream import UpstreamTransport
 
 log = logging.getLogger("kneecap")
 
 
 def build_client(settings: Settings) -> httpx.AsyncClient:
+    """The one upstream client: keep-alive pool, stall timeout, no cookies.
+
+    The transport is kneecap's own for plain HTTP (httpx's default one spends
+    most of the relay's CPU on pool bookkeeping and pure-Python parsing; see
+    ``gateway/upstream.py``). The client is shared by every request of every
+    caller, so it must never store a backend's ``Set-Cookie`` and replay it
+    for someone else: its cookie policy accepts none.
+    """
     upstream = settings.upstream
-    return httpx.AsyncClient(
+    client = httpx.AsyncClient(
         timeout=httpx.Timeout(
             connect=upstream.connect_timeout_s,
             read=upstream.read_timeout_s,
@@ -44,8 +54,11 @@ def build_client(settings: Settings) -> httpx.AsyncClient:
             max_connections=upstream.max_connections,
             max_keepalive_connections=upstream.max_connections,
         ),
+        transport=UpstreamTransport(max_connections=upstream.max_connections),
         trust_env=False,
     )
+    client.cookies.jar.set_policy(DefaultCookiePolicy(allowed_domains=[]))
+    return client
 
 
 async def _gateway_error(request: Request, exc: Exception) -> Response:

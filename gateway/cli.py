@@ -7,7 +7,6 @@ import logging
 import sys
 from collections.abc import Sequence
 
-import anyio
 import uvicorn
 
 from gateway.embedded import DEFAULT_MODEL
@@ -16,7 +15,7 @@ from gateway.settings import ConfigError, Settings, load_settings
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.serving import build_embedded_sims, serve_with_sims, server_config
+    from gateway.serving import build_embedded_sims, run_servers, server_config
 
     try:
         settings = load_settings(args.config)
@@ -29,7 +28,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings, config_path=args.config, sim_urls={s.name: s.url for s in sims})
     gateway = uvicorn.Server(server_config(app, host, port, log_level=args.log_level))
     _print_banner(settings, host, port, sims)
-    anyio.run(serve_with_sims, gateway, sims)
+    run_servers(gateway, sims)
     return 0
 
 

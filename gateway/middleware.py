@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,11 +29,13 @@ class RequestIdMiddleware:
         scope[REQUEST_ID_SCOPE_KEY] = request_id
         encoded = request_id.encode("latin-1")
 
-        async def send_with_id(message: Message) -> None:
+        # A plain function handing back send's awaitable: no coroutine of its own per
+        # body chunk, only the start message is looked at.
+        def send_with_id(message: Message) -> Awaitable[None]:
             if message["type"] == "http.response.start":
                 headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
                 headers.append((b"x-request-id", encoded))
                 message["headers"] = headers
-            await send(message)
+            return send(message)
 
         await self.app(scope, receive, send_with_id)

@@ -111,10 +111,12 @@ class StreamRelay:
         strip = meter.strip_usage
         try:
             async for chunk in self.upstream.aiter_raw():
+                carried = framer.pending
                 events = framer.feed(chunk)
                 kept = meter.observe(events) if events else None
-                if strip:
-                    # Only whole events go out, so a dropped one never leaks partially.
+                # Only whole events go out when stripping, so a dropped one never leaks
+                # partially. A chunk of whole events, nothing dropped, goes out as it came.
+                if strip and (kept is not None or carried or framer.pending or b"\r" in chunk):
                     chunk = join_events(events if kept is None else kept)
                     if not chunk:
                         continue

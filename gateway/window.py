@@ -6,9 +6,10 @@ ITL gaps and output tokens in small batches as they are relayed (see
 the backend does now even when requests last minutes. TTFT here is the
 backend's: from admission to first output, the gateway's own queue excluded.
 
-Samples are kept with their (monotonic, ``perf_counter``) time and dropped
-once older than the span; percentiles are computed on read, about once a
-second, never per chunk.
+TTFTs (one per request) are kept with their (monotonic, ``perf_counter``) time
+and dropped once older than the span; ITL gaps (one per token) are counted in
+log buckets per one-second slice. Percentiles are computed on read, about once
+a second, never per chunk, and never sort per-token values.
 """
 
 from __future__ import annotations
@@ -43,12 +44,69 @@ class WindowStats:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
+class _LogBuckets:
+    """Counts of values in log-spaced buckets: percentiles without keeping or sorting values.
+
+    ITL has one value per output token — tens of thousands per window on a busy
+    backend — so it is counted, not stored. A bucket spans a factor of
+    ``GROWTH``; a percentile is reported as its bucket's geometric middle
+    (within ±2.5 %, far below what a controller can act on).
+    """
+
+    GROWTH = 1.05
+    FLOOR = 1e-5  # seconds; smaller values share the first bucket
+    _LOG_GROWTH = math.log(GROWTH)
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.total = 0
+
+    def add_many(self, values: Iterable[float]) -> None:
+        counts = self.counts
+        floor, log_growth, log = self.FLOOR, self._LOG_GROWTH, math.log
+        added = 0
+        for value in values:
+            index = int(log(value / floor) / log_growth) if value > floor else 0
+            counts[index] = counts.get(index, 0) + 1
+            added += 1
+        self.total += added
+
+    @classmethod
+    def value_of(cls, index: int) -> float:
+        return cls.FLOOR * cls.GROWTH ** (index + 0.5)
+
+
+def _bucket_percentiles(slices: Iterable[_LogBuckets], qs: Sequence[float]) -> list[float | None]:
+    merged: dict[int, int] = {}
+    total = 0
+    for part in slices:
+        total += part.total
+        for index, count in part.counts.items():
+            merged[index] = merged.get(index, 0) + count
+    if not total:
+        return [None] * len(qs)
+    ranks = [max(1, math.ceil(q / 100 * total)) for q in qs]
+    results: list[float | None] = [None] * len(qs)
+    seen = 0
+    for index in sorted(merged):
+        seen += merged[index]
+        for i, rank in enumerate(ranks):
+            if results[i] is None and seen >= rank:
+                results[i] = _LogBuckets.value_of(index)
+    return results
+
+
 class RollingWindow:
+    # ITL counts are kept per slice of this many seconds and dropped slice by slice.
+    SLICE_S = 1.0
+
     def __init__(self, span_s: float = 10.0, *, created: float | None = None) -> None:
         self.span_s = span_s
         self._created = created
         self._ttft: deque[tuple[float, float]] = deque()
-        self._itl: deque[tuple[float, float]] = deque()
+        self._itl: deque[tuple[float, _LogBuckets]] = deque()  # (slice start, counts)
         self._tokens: deque[tuple[float, int]] = deque()
         self._completed: deque[float] = deque()
 
@@ -57,7 +115,9 @@ class RollingWindow:
         self._ttft.append((now, ttft))
 
     def add_itl(self, now: float, gaps: Iterable[float]) -> None:
-        self._itl.extend((now, gap) for gap in gaps)
+        if not self._itl or now - self._itl[-1][0] >= self.SLICE_S:
+            self._itl.append((now, _LogBuckets()))
+        self._itl[-1][1].add_many(gaps)
 
     def add_tokens(self, now: float, count: int) -> None:
         self._mark(now)
@@ -71,7 +131,7 @@ class RollingWindow:
     def stats(self, now: float) -> WindowStats:
         self._evict(now)
         ttft = sorted(v for _, v in self._ttft)
-        itl = sorted(v for _, v in self._itl)
+        itl_p50, itl_p95, itl_p99 = _bucket_percentiles((b for _, b in self._itl), (50, 95, 99))
         # A window younger than its span divides by its age, not the span.
         age = now - self._created if self._created is not None else 0.0
         elapsed = min(self.span_s, age) if age > 0 else self.span_s
@@ -81,9 +141,9 @@ class RollingWindow:
             ttft_p50=percentile(ttft, 50),
             ttft_p95=percentile(ttft, 95),
             ttft_p99=percentile(ttft, 99),
-            itl_p50=percentile(itl, 50),
-            itl_p95=percentile(itl, 95),
-            itl_p99=percentile(itl, 99),
+            itl_p50=itl_p50,
+            itl_p95=itl_p95,
+            itl_p99=itl_p99,
             output_tokens_per_s=sum(n for _, n in self._tokens) / elapsed,
         )
 
@@ -93,8 +153,11 @@ class RollingWindow:
 
     def _evict(self, now: float) -> None:
         horizon = now - self.span_s
-        for samples in (self._ttft, self._itl, self._tokens):
+        for samples in (self._ttft, self._tokens):
             while samples and samples[0][0] < horizon:
                 samples.popleft()
+        # A slice goes once all of it is older than the span.
+        while self._itl and self._itl[0][0] + self.SLICE_S < horizon:
+            self._itl.popleft()
         while self._completed and self._completed[0] < horizon:
             self._completed.popleft()

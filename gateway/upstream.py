@@ -1,0 +1,329 @@
+"""An httpx transport for plain-HTTP upstreams: O(1) keep-alive pool, C parser, no copies.
+
+httpx's default transport (httpcore + h11) costs the relay most of its time:
+every request and every response close walks the whole pool and polls each
+idle socket (``has_expired`` → ``is_socket_readable``), and h11 parses each
+chunk in pure Python. This transport keeps httpx's interface (the client, its
+``Response``, its exception tree, its timeouts and limits) and replaces only
+the wire: ``asyncio`` protocols, ``httptools``' llhttp parser (uvicorn's), and
+one deque of idle connections per origin. ``https://`` goes to httpx's own
+transport unchanged.
+
+Body chunks that arrived together are handed on together, so the relay writes
+them to the client in one go; nothing waits to be merged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+
+import httpcore
+import httptools
+import httpx
+
+_Origin = tuple[str, int]
+_HIGH_WATER = 256 * 1024  # buffered body bytes before the socket stops being read
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection; one request at a time."""
+
+    def __init__(self, origin: _Origin) -> None:
+        self.origin = origin
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.used = False  # has served a request: a failure may be a stale keep-alive
+        self.counted = True  # holds one of the pool's ``max_connections`` slots
+        self._reset()
+
+    def _reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.framed = False  # content-length or chunked: the end is not the close
+        self.head_done = False
+        self.keep_alive = False
+        self.complete = False
+        self.received = False
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.paused = False
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol -------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(httpcore.RemoteProtocolError(f"invalid HTTP response: {exc}"))
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.transport = None
+        if self.head_done and not self.complete and not self.framed:
+            self.on_message_complete()  # a body delimited by the close
+        elif not self.complete:
+            what = "response headers" if not self.head_done else "complete message body"
+            self._fail(httpcore.RemoteProtocolError(f"peer closed connection without {what}"))
+
+    # -- httptools callbacks ----------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+        lowered = name.lower()
+        if lowered == b"content-length" or lowered == b"transfer-encoding":
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()  # reads False once complete
+        self.head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # -- used by the transport and the body stream ----------------------------
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: Exception) -> None:
+        self.error = error
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+
+    async def wait(self, limit_s: float | None) -> None:
+        """Until the parser made progress, the connection failed, or ``limit_s`` passed."""
+        if self.error is not None:
+            raise self.error
+        self.waiter = waiter = self.loop.create_future()
+        timer = None
+        if limit_s is not None:
+            timer = self.loop.call_later(limit_s, self._timeout, waiter)
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _timeout(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            waiter.set_exception(httpcore.ReadTimeout("timed out waiting for the upstream"))
+
+    def take(self) -> bytes:
+        """Every body byte buffered so far, as one chunk."""
+        chunks = self.chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    def reusable(self) -> bool:
+        return self.complete and self.keep_alive and not self.closed
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.closed = True
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, pool: UpstreamTransport, conn: _Connection, read_timeout: float | None):
+        self._pool = pool
+        self._conn = conn
+        self._read_timeout = read_timeout
+        self._released = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        try:
+            while True:
+                if conn.chunks:
+                    yield conn.take()
+                elif conn.complete:
+                    return
+                else:
+                    await conn.wait(self._read_timeout)
+        except httpcore.ReadTimeout as exc:
+            raise httpx.ReadTimeout(str(exc)) from exc
+        except httpcore.RemoteProtocolError as exc:
+            raise httpx.RemoteProtocolError(str(exc)) from exc
+
+    async def aclose(self) -> None:
+        if not self._released:
+            self._released = True
+            self._pool._release(self._conn)
+
+
+class UpstreamTransport(httpx.AsyncBaseTransport):
+    """Keep-alive HTTP/1.1 to plain-HTTP upstreams; ``max_connections`` bounds the pool."""
+
+    def __init__(self, *, max_connections: int, tls: httpx.AsyncBaseTransport | None = None):
+        self._max = max_connections
+        self._open = 0
+        self._idle: dict[_Origin, deque[_Connection]] = {}
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._tls = tls or httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=max_connections)
+        )
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        if url.scheme != "http":
+            return await self._tls.handle_async_request(request)
+        timeouts = request.extensions.get("timeout", {})
+        origin = (url.host, url.port or 80)
+        head = _head(request)
+        try:
+            body = request.content  # built with content=bytes: already read
+        except httpx.RequestNotRead:
+            body = await request.aread()
+        for attempt in range(2):
+            conn = await self._acquire(origin, timeouts)
+            reused = conn.used
+            conn.used = True
+            try:
+                assert conn.transport is not None
+                conn.transport.write(head + body if len(body) < 65536 else head)
+                if len(body) >= 65536:
+                    conn.transport.write(body)
+                while not conn.head_done:
+                    await conn.wait(timeouts.get("read"))
+            except httpcore.RemoteProtocolError as exc:
+                self._discard(conn)
+                if reused and not conn.received and attempt == 0:
+                    continue  # the server closed a keep-alive connection: once more, fresh
+                raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+            except httpcore.ReadTimeout as exc:
+                self._discard(conn)
+                raise httpx.ReadTimeout(str(exc), request=request) from exc
+            except BaseException:
+                self._discard(conn)
+                raise
+            return httpx.Response(
+                conn.status,
+                headers=conn.headers,
+                stream=_Body(self, conn, timeouts.get("read")),
+                extensions={"http_version": b"HTTP/1.1"},
+            )
+        raise AssertionError("unreachable")
+
+    async def _acquire(self, origin: _Origin, timeouts: dict[str, float | None]) -> _Connection:
+        idle = self._idle.get(origin)
+        while idle:
+            conn = idle.pop()  # most recently used: the warmest
+            if not conn.closed:
+                conn._reset()
+                return conn
+            self._discard(conn)
+        if self._open >= self._max:
+            self._purge_closed()
+        while self._open >= self._max:
+            await self._wait_for_room(timeouts.get("pool"))
+            idle = self._idle.get(origin)
+            if idle:
+                return await self._acquire(origin, timeouts)
+        self._open += 1
+        try:
+            return await self._connect(origin, timeouts.get("connect"))
+        except BaseException:
+            self._open -= 1
+            self._wake_one()
+            raise
+
+    async def _connect(self, origin: _Origin, connect_s: float | None) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_s):
+                _, conn = await loop.create_connection(lambda: _Connection(origin), *origin)
+        except TimeoutError as exc:
+            raise httpx.ConnectTimeout(f"connecting to {origin[0]}:{origin[1]} timed out") from exc
+        except OSError as exc:
+            raise httpx.ConnectError(f"[Errno {exc.errno}] {exc.strerror}") from exc
+        return conn
+
+    async def _wait_for_room(self, pool_s: float | None) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(pool_s):
+                await waiter
+        except TimeoutError as exc:
+            raise httpx.PoolTimeout("no upstream connection free within the pool timeout") from exc
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _release(self, conn: _Connection) -> None:
+        if conn.reusable():
+            self._idle.setdefault(conn.origin, deque()).append(conn)
+        else:
+            self._discard(conn)
+            return
+        self._wake_one()
+
+    def _discard(self, conn: _Connection) -> None:
+        conn.close()
+        if conn.counted:
+            conn.counted = False
+            self._open -= 1
+            self._wake_one()
+
+    def _purge_closed(self) -> None:
+        for idle in self._idle.values():
+            for conn in [c for c in idle if c.closed]:
+                idle.remove(conn)
+                self._discard(conn)
+
+    async def aclose(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+        await self._tls.aclose()
+
+
+def _head(request: httpx.Request) -> bytes:
+    target = request.url.raw_path
+    lines = [request.method.encode(), b" ", target, b" HTTP/1.1\r\n"]
+    for name, value in request.headers.raw:
+        lines += [name, b": ", value, b"\r\n"]
+    lines.append(b"\r\n")
+    return b"".join(lines)

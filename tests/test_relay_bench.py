@@ -1,0 +1,60 @@
+"""The relay benchmark harness, in its tiny mode: every figure is produced (values not judged)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_relay_bench_quick_run_produces_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "relay.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.perf.relay_bench",
+            "--quick",
+            "--no-pin",
+            "--duration",
+            "0.3",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    figures = {(row["scenario"][:3], row["figure"]): row for row in report["rows"]}
+    expected = {
+        ("(a)", "req/s"),
+        ("(b)", "relayed chunks/s"),
+        ("(c)", "TTFT p50 ms"),
+        ("(c)", "TTFT p99 ms"),
+        ("(c)", "ITL p99 ms"),
+        ("(c)", "TTFT p50 ms via bare TCP hop"),
+        ("(d)", "RSS MB at start"),
+        ("(e)", "RSS MB while held"),
+    }
+    assert expected <= set(figures), sorted(figures)
+    for key in expected:
+        assert math.isfinite(figures[key]["gateway"]), key
+    for key in [k for k in expected if k[0] in ("(a)", "(b)", "(c)")]:
+        assert figures[key]["direct"] is not None and math.isfinite(figures[key]["direct"]), key
+    phases = report["phases"]
+    for name in ("nonstream", "stream", "paced"):
+        for target in ("direct", "gateway"):
+            phase = phases[name][target]
+            assert phase["errors"] == 0, (name, target)
+            assert {"gateway", "backend", "loadgen"} <= set(phase["cpu_percent"])
+    assert phases["hold"]["gateway"]["released"] is True
+    assert phases["measured_by_gateway"]["ttft_samples"] > 0
+    # The printed table carries the same figures.
+    assert "relayed chunks/s" in result.stdout and "via gateway" in result.stdout
