@@ -2,11 +2,13 @@
 
 Each round probes every replica of the current snapshot concurrently. A replica
 that has no configured models gets them from its ``/v1/models`` on each
-successful probe, so a backend that changes what it serves is followed.
+successful probe, so a backend that changes what it serves is followed; the
+context length (``max_model_len``) is learned there too unless configured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -36,9 +38,16 @@ async def probe(client: httpx.AsyncClient, replica: Replica, config: HealthConfi
                 replica.url + "/v1/models", headers=headers, timeout=config.timeout_s
             )
             models.raise_for_status()
-            replica.discovered_models = frozenset(m["id"] for m in models.json().get("data", []))
+            replica.learn_models(models.json())
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return False
+    if replica.config.models and replica.max_model_len is None:  # best effort
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            models = await client.get(
+                replica.url + "/v1/models", headers=headers, timeout=config.timeout_s
+            )
+            if models.status_code == 200:
+                replica.learn_models(models.json())
     return True
 
 

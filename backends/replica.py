@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.settings import BackendConfig
 from gateway.window import RollingWindow
@@ -31,6 +33,25 @@ class Replica:
     discovered_models: frozenset[str] = frozenset()
     engine: EngineGauges = field(default_factory=EngineGauges)
     window: RollingWindow = field(default_factory=RollingWindow)
+    # Prompt + max output tokens of the requests in flight (admission in tokens).
+    tokens_in_flight: int = 0
+    discovered_max_model_len: int | None = None  # from /v1/models or /tokenize
+    kv_capacity_tokens: int | None = None  # KV cache size the engine's /metrics reported
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length: configured, else discovered, else unknown (None)."""
+        configured = self.config.max_model_len
+        return configured if configured is not None else self.discovered_max_model_len
+
+    def learn_models(self, listing: Mapping[str, Any]) -> None:
+        """Digest the backend's ``/v1/models``: served models and context length."""
+        cards = [c for c in listing.get("data", ()) if isinstance(c, Mapping)]
+        if not self.config.models:
+            self.discovered_models = frozenset(c["id"] for c in cards)
+        lengths = [c["max_model_len"] for c in cards if isinstance(c.get("max_model_len"), int)]
+        if lengths:
+            self.discovered_max_model_len = min(lengths)
 
     @property
     def name(self) -> str:

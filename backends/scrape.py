@@ -43,6 +43,27 @@ def parse_engine_gauges(text: str, names: EngineMetricNames, now: float) -> Engi
     )
 
 
+def parse_kv_capacity(text: str) -> int | None:
+    """The engine's KV cache size in tokens, where its /metrics says it.
+
+    vLLM: ``vllm:cache_config_info`` labels ``num_gpu_blocks`` times ``block_size``;
+    SGLang: ``sglang:max_total_num_tokens``. Of several series (ranks) the largest
+    counts: tensor-parallel ranks repeat one pool, and under data parallelism
+    one rank's size is the safe side.
+    """
+    largest = 0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info":
+                blocks = sample.labels.get("num_gpu_blocks", "")
+                size = sample.labels.get("block_size", "")
+                if blocks.isdigit() and size.isdigit():
+                    largest = max(largest, int(blocks) * int(size))
+            elif sample.name == "sglang:max_total_num_tokens":
+                largest = max(largest, int(sample.value))
+    return largest or None
+
+
 async def scrape_one(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:
     names = ENGINE_METRICS.get(replica.config.engine)
     if names is None or not replica.healthy:
@@ -55,6 +76,7 @@ async def scrape_one(client: httpx.AsyncClient, replica: Replica, timeout_s: flo
         return
     try:
         replica.engine = parse_engine_gauges(response.text, names, time.monotonic())
+        replica.kv_capacity_tokens = parse_kv_capacity(response.text) or replica.kv_capacity_tokens
     except ValueError as exc:
         log.debug("unparsable /metrics from %s: %s", replica.name, exc)
 

@@ -22,13 +22,13 @@ from backends.replica import Replica
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
-    ModelNotFound,
     RateLimited,
     Unavailable,
     UpstreamError,
     UpstreamTimeout,
 )
 from gateway.meter import StreamMeter, Usage
+from gateway.placement import Route, candidates, make_pick, plan_route
 from gateway.record import RequestStatus
 from gateway.recording import Flight
 from gateway.relay import HOP_BY_HOP, StreamEnd, StreamRelay, response_headers
@@ -43,9 +43,7 @@ from policies.admission import (
     QueueTimeout,
     ShuttingDown,
 )
-from policies.least_loaded import pick_least_loaded
-from policies.long_context import choose_pool
-from policies.prompt_size import estimate_prompt_tokens
+from policies.token_budget import Claim
 
 # Client headers that are the gateway's business, not the backend's.
 _NOT_FORWARDED = HOP_BY_HOP | {"authorization", "accept-encoding", "x-request-id"}
@@ -130,49 +128,32 @@ def _prepare_stream(request: ProxyRequest) -> bool:
     return True
 
 
-def _candidates(runtime: Runtime, pool: str, model: str, tried: set[str]) -> list[Replica]:
-    return [
-        r
-        for r in runtime.current.backends.in_pool(pool)
-        if r.healthy and model in r.models and r.name not in tried
-    ]
-
-
 def _status_of(error: Exception) -> RequestStatus:
     return "upstream_timeout" if isinstance(error, httpx.TimeoutException) else "upstream_error"
 
 
 async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRelay:
-    snapshot = runtime.current
-    settings = snapshot.settings
-    model = request.payload["model"]
-    serving = snapshot.backends.serving(model)
-    if not serving:
-        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    healthy_pools = {r.pool for r in serving if r.healthy}
-    if not healthy_pools:
-        runtime.recorder.rejected(serving[0].pool, "no_backend")
-        raise Unavailable(f"no healthy backend serves model `{model}`")
-    pool = choose_pool(settings.pools, healthy_pools, estimate_prompt_tokens(request.payload))
-    assert pool is not None  # healthy_pools is not empty
+    settings = runtime.current.settings
+    route = await plan_route(runtime, request.payload, request.headers)
+    pool = route.plan.home
     streaming = request.payload.get("stream") is True
     strip_usage = _prepare_stream(request) if streaming else False
-    flight = Flight(pool=pool, model=model, stream=streaming, started=request.started)
+    flight = Flight(pool=pool, model=route.model, stream=streaming, started=request.started)
     tried: set[str] = set()
     last_error: Exception | None = None
     last_replica: Replica | None = None
     max_attempts = settings.upstream.max_attempts
     for attempt in range(max_attempts):
-        candidates = _candidates(runtime, pool, model, tried)
-        if not candidates:
+        left = sum(len(candidates(runtime, p, route, tried)) for p in route.pools)
+        if not left:
             break
         if last_replica is not None:
             runtime.recorder.retried(last_replica)
-        lease = await _admit(runtime, flight, request, tried)
+        lease = await _admit(runtime, flight, route, request, tried)
         flight.admitted = time.perf_counter()
-        replica = last_replica = lease.backend
+        replica = last_replica = lease.backend.backend
         tried.add(replica.name)
-        last_attempt = attempt == max_attempts - 1 or len(candidates) == 1
+        last_attempt = attempt == max_attempts - 1 or left == 1
         try:
             upstream = await runtime.client.send(
                 runtime.client.build_request(
@@ -184,15 +165,15 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
                 stream=True,
             )
         except httpx.HTTPError as exc:
-            lease.release(Outcome.DROPPED)
+            _release(runtime, flight, lease, Outcome.DROPPED)
             replica.record_failure(settings.health.failure_threshold)
             last_error = exc
             continue
         except BaseException:  # cancelled: the client left while we connected
-            lease.release(Outcome.IGNORE)
+            _release(runtime, flight, lease, Outcome.IGNORE)
             raise
         if upstream.status_code >= 500 and not last_attempt:
-            lease.release(Outcome.DROPPED)
+            _release(runtime, flight, lease, Outcome.DROPPED)
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
             replica.record_failure(settings.health.failure_threshold)
@@ -207,9 +188,9 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
                 window=replica.window,
                 admitted=flight.admitted,
             )
-            finish = _stream_finisher(runtime, flight, lease)
+            finish = _stream_finisher(runtime, flight, route, lease)
             return StreamRelay(upstream, meter, extra, finish)
-        return await _buffered(runtime, flight, upstream, lease, extra)
+        return await _buffered(runtime, flight, route, upstream, lease, extra)
     if last_replica is not None and last_error is not None:
         runtime.recorder.finished(flight, last_replica, _status_of(last_error))
     if isinstance(last_error, httpx.TimeoutException):
@@ -219,25 +200,17 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
             f"every attempt failed; last: {type(last_error).__name__}: {last_error}"
         )
     runtime.recorder.rejected(pool, "no_backend")
-    raise Unavailable(f"no healthy backend serves model `{model}`")
+    raise Unavailable(f"no healthy backend serves model `{route.model}`")
 
 
 async def _admit(
-    runtime: Runtime, flight: Flight, request: ProxyRequest, tried: set[str]
-) -> Lease[Replica]:
+    runtime: Runtime, flight: Flight, route: Route, request: ProxyRequest, tried: set[str]
+) -> Lease[Claim[Replica]]:
     pool = flight.pool
     pool_config = runtime.current.settings.pools[pool]
     priority = _priority(request)
     deadline = time.monotonic() + _max_queue_wait(request, pool_config)
-
-    def pick() -> Replica | None:
-        # Read the live snapshot each time: a waiter must see replicas readmitted
-        # or added while it queued, and fail fast when none is left.
-        candidates = _candidates(runtime, pool, flight.model, tried)
-        if not candidates:
-            raise NoHealthyBackend(f"no healthy backend in pool `{pool}` serves `{flight.model}`")
-        return pick_least_loaded(candidates)
-
+    pick = make_pick(runtime, route, tried)
     try:
         return await runtime.admission(pool).acquire(pick, priority=priority, deadline=deadline)
     except QueueFull as exc:
@@ -253,6 +226,23 @@ async def _admit(
         raise Unavailable("the gateway is shutting down", code="shutting_down") from exc
 
 
+def _release(
+    runtime: Runtime, flight: Flight, lease: Lease[Claim[Replica]], outcome: Outcome
+) -> None:
+    """Release the lease; other pools hear of it too when requests cross pools."""
+    lease.release(outcome)  # wakes the home pool's queue
+    spill = runtime.current.settings.routing.spill
+    if spill.to_longer or spill.to_shorter or lease.backend.backend.pool != flight.pool:
+        for name, admission in runtime.admissions.items():
+            if name != flight.pool:
+                admission.notify()
+
+
+def _calibrate(runtime: Runtime, route: Route, usage: Usage | None) -> None:
+    if usage is not None and usage.prompt_tokens > 0:
+        runtime.routing.calibration.observe(route.model, route.shape, usage.prompt_tokens)
+
+
 def _shed(
     runtime: Runtime,
     pool: str,
@@ -266,16 +256,18 @@ def _shed(
 
 
 def _stream_finisher(
-    runtime: Runtime, flight: Flight, lease: Lease[Replica]
+    runtime: Runtime, flight: Flight, route: Route, lease: Lease[Claim[Replica]]
 ) -> Callable[[StreamEnd], None]:
     def finish(end: StreamEnd) -> None:
-        replica = lease.backend
+        replica = lease.backend.backend
         try:
             if _OUTCOME[end.status] is Outcome.DROPPED:
                 replica.record_failure(runtime.current.settings.health.failure_threshold)
             runtime.recorder.finished(flight, replica, end.status, meter=end.meter)
+            if end.status == "ok":
+                _calibrate(runtime, route, end.meter.usage)
         finally:
-            lease.release(_OUTCOME[end.status])
+            _release(runtime, flight, lease, _OUTCOME[end.status])
 
     return finish
 
@@ -283,8 +275,9 @@ def _stream_finisher(
 async def _buffered(
     runtime: Runtime,
     flight: Flight,
+    route: Route,
     upstream: httpx.Response,
-    lease: Lease[Replica],
+    lease: Lease[Claim[Replica]],
     extra: dict[str, str],
 ) -> Response:
     status: RequestStatus = "upstream_error"
@@ -301,9 +294,10 @@ async def _buffered(
     finally:
         await upstream.aclose()
         try:
-            runtime.recorder.finished(flight, lease.backend, status, usage=usage)
+            runtime.recorder.finished(flight, lease.backend.backend, status, usage=usage)
+            _calibrate(runtime, route, usage)
         finally:
-            lease.release(_OUTCOME[status])
+            _release(runtime, flight, lease, _OUTCOME[status])
     response = Response(body, status_code=upstream.status_code)
     length = (b"content-length", str(len(body)).encode())
     response.raw_headers = [*response_headers(upstream, extra), length]

@@ -18,7 +18,9 @@ from gateway.metrics import render
 from gateway.middleware import REQUEST_ID_SCOPE_KEY
 from gateway.proxy import ProxyRequest, proxy
 from gateway.relay import StreamRelay
+from gateway.routing import token_limit_of
 from gateway.runtime import Runtime
+from gateway.settings import Settings
 
 # The field each endpoint cannot do without, besides `model`.
 REQUIRED_FIELD = {
@@ -164,8 +166,8 @@ async def admin_reload(request: Request) -> Response:
     )
 
 
-def backend_view(replica: Replica, now: float, mono: float, staleness_s: float) -> dict[str, Any]:
-    engine = replica.fresh_engine(mono, staleness_s)
+def backend_view(replica: Replica, now: float, mono: float, settings: Settings) -> dict[str, Any]:
+    engine = replica.fresh_engine(mono, settings.measurement.scrape_staleness_s)
     return {
         "name": replica.name,
         "pool": replica.pool,
@@ -173,6 +175,9 @@ def backend_view(replica: Replica, now: float, mono: float, staleness_s: float) 
         "healthy": replica.healthy,
         "in_flight": replica.in_flight,
         "limit": replica.limit,
+        "tokens_in_flight": replica.tokens_in_flight,
+        "token_limit": token_limit_of(replica, settings.routing),
+        "max_model_len": replica.max_model_len,
         "models": sorted(replica.models),
         "window": replica.window.stats(now).as_dict(),
         "engine": None
@@ -185,13 +190,18 @@ async def admin_state(request: Request) -> Response:
     require_admin(request)
     runtime = runtime_of(request)
     now, mono = time.perf_counter(), time.monotonic()
-    staleness = runtime.current.settings.measurement.scrape_staleness_s
-    backends = [backend_view(r, now, mono, staleness) for r in runtime.current.backends.replicas]
+    settings = runtime.current.settings
+    backends = [backend_view(r, now, mono, settings) for r in runtime.current.backends.replicas]
     pools = {
         name: {"queue_depth": a.depth(), "leased": a.leased}
         for name, a in runtime.admissions.items()
     }
-    return JSONResponse({"backends": backends, "pools": pools})
+    routing = {
+        "estimator": settings.routing.estimator.mode,
+        "calibration": runtime.routing.calibration.state(),
+        "sessions": len(runtime.routing.sessions),
+    }
+    return JSONResponse({"backends": backends, "pools": pools, "routing": routing})
 
 
 async def metrics(request: Request) -> Response:

@@ -22,6 +22,7 @@ from backends.replica import Replica
 from gateway.control import LimitLoop
 from gateway.metrics import GatewayMetrics
 from gateway.recording import Recorder
+from gateway.routing import RoutingState
 from gateway.settings import ConfigError, Settings, load_settings
 from policies.admission import PoolAdmission, Priority
 
@@ -83,6 +84,7 @@ class Runtime:
     # Called after a reload so that new replicas are probed now, not a full interval later.
     on_reload: Callable[[], None] = lambda: None
     limits: LimitLoop = field(default_factory=LimitLoop)
+    routing: RoutingState = field(default_factory=RoutingState)  # calibration, sessions
 
     def __post_init__(self) -> None:
         self._sync_admissions()

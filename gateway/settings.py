@@ -51,6 +51,11 @@ class BackendConfig(Frozen):
     api_key_env: str | None = None
     sim: SimConfig | None = None
     limit: LimitConfig | None = None  # overrides admission.limit for this backend
+    # Context length; None → learned from the backend's /v1/models (`max_model_len`).
+    max_model_len: int | None = Field(None, gt=0)
+    # Prompt + max output tokens admitted at once; None → from the KV capacity when
+    # known (simulated profiles), else routing.token_budget.default_max_tokens_in_flight.
+    max_tokens_in_flight: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _url_or_sim(self) -> BackendConfig:
@@ -107,6 +112,76 @@ class AdmissionConfig(Frozen):
     control_interval_s: float = Field(1.0, gt=0)
 
 
+class EstimatorConfig(Frozen):
+    """How prompt tokens are counted before routing (see docs/routing.md)."""
+
+    # chars: characters per token, calibrated per model from the backends' usage;
+    # tokenizer: exact, from the local tokenizer.json of `tokenizers` (others: chars);
+    # backend: asked of a backend's /tokenize (chars when it does not answer in time).
+    mode: Literal["chars", "tokenizer", "backend"] = "chars"
+    chars_per_token: float = Field(4.0, gt=0)  # before any usage was observed
+    calibration_alpha: float = Field(0.05, gt=0, le=1)  # EWMA weight of one observation
+    tokenizers: dict[str, str] = Field(default_factory=dict)  # model → tokenizer.json path
+    tokens_per_message: int = Field(4, ge=0)  # chat template overhead per message
+    tokens_per_reply: int = Field(3, ge=0)  # and once per prompt (the reply's header)
+    tokenize_timeout_s: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _tokenizers_usable(self) -> EstimatorConfig:
+        for model, path in self.tokenizers.items():
+            if not Path(path).is_file():
+                raise ValueError(f"tokenizer for {model!r}: no such file {path!r}")
+        if self.tokenizers:
+            import importlib.util
+
+            if importlib.util.find_spec("tokenizers") is None:
+                raise ValueError(
+                    "estimator.tokenizers needs the `tokenizers` package: "
+                    "pip install 'kneecap[tokenizers]'"
+                )
+        return self
+
+
+class SpillConfig(Frozen):
+    # Short prompts may borrow a longer-range pool's idle headroom when their own
+    # pool is saturated and the lender is not.
+    to_longer: bool = True
+    # Long prompts may borrow a shorter-range pool's idle headroom (off: they wait).
+    to_shorter: bool = False
+    # A lender's backend counts as idle while its load with the request stays <= this.
+    max_load: float = Field(0.5, gt=0, le=1)
+
+
+class AffinityConfig(Frozen):
+    """Return a conversation to the replica that holds its prefix cache."""
+
+    enabled: bool = False
+    header: str = "x-kneecap-session"  # the session key; else the body's `user` field
+    use_user_field: bool = True
+    max_load: float = Field(0.9, gt=0)  # this full (or fuller), the replica is saturated
+    max_sessions: int = Field(100_000, ge=1)  # least recently used sessions are forgotten
+
+
+class TokenBudgetConfig(Frozen):
+    """Admission in tokens: prompt + max output tokens in flight per backend."""
+
+    enabled: bool = True
+    kv_fraction: float = Field(0.95, gt=0, le=1)  # of the KV capacity, when it is known
+    default_max_tokens_in_flight: int | None = Field(None, gt=0)  # when it is not
+    default_output_tokens: int = Field(256, ge=1)  # a request without max_tokens
+
+
+class RoutingConfig(Frozen):
+    policy: Literal["headroom", "least_loaded", "round_robin"] = "headroom"
+    # Backends whose load is within this of the best are near-equals: two of them
+    # are drawn at random and the less loaded one wins (power of two choices).
+    near_equal: float = Field(0.1, ge=0)
+    estimator: EstimatorConfig = EstimatorConfig()
+    spill: SpillConfig = SpillConfig()
+    affinity: AffinityConfig = AffinityConfig()
+    token_budget: TokenBudgetConfig = TokenBudgetConfig()
+
+
 class ClientKey(Frozen):
     key: SecretStr
     priority: Literal["interactive", "batch"] = "interactive"
@@ -159,6 +234,7 @@ class Settings(BaseSettings):
     auth: AuthConfig = AuthConfig()
     admission: AdmissionConfig = AdmissionConfig()
     measurement: MeasurementConfig = MeasurementConfig()
+    routing: RoutingConfig = RoutingConfig()
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     watch_config: bool = False
 

@@ -1,19 +1,18 @@
-"""Within a pool: the healthy replica with the fewest requests in flight."""
+"""The fewest requests in flight relative to the limit, first in order on ties."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
-from backends.replica import Replica
+from policies.routing import Load, RouteRequest
 
 
-def pick_least_loaded(
-    replicas: Iterable[Replica], exclude: frozenset[str] = frozenset()
-) -> Replica | None:
-    best: Replica | None = None
-    for replica in replicas:
-        if replica.name in exclude or not replica.has_room:
-            continue
-        if best is None or replica.in_flight / replica.limit < best.in_flight / best.limit:
-            best = replica
-    return best
+class LeastLoaded:
+    def choose(self, loads: Sequence[Load], request: RouteRequest) -> Load | None:
+        best: Load | None = None
+        for load in loads:
+            if not load.fits(request.cost):
+                continue
+            if best is None or load.in_flight / load.limit < best.in_flight / best.limit:
+                best = load
+        return best

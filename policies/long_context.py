@@ -1,28 +1,134 @@
-"""Pool choice by prompt length: long prompts go to the pool whose range holds them."""
+"""Which pool a prompt belongs to, which pools may lend it headroom, and what never fits.
+
+Pools hold prompt-length ranges ``[min_prompt_tokens, max_prompt_tokens)``.
+A request's *home* is the first pool (in config order) whose range holds its
+estimated prompt tokens, among the pools that can serve it (a healthy backend
+with the model and the context length). When none can, it goes to the serving
+pool whose range is nearest (availability before placement: with every long
+replica down, long prompts still run on the short ones, where token-budget
+admission keeps them from flooding the KV cache).
+
+Spill: a request whose home pool is saturated may borrow *idle* headroom of
+other pools, never displace their own traffic. ``to_longer`` lets short
+prompts borrow from pools of longer ranges (on by default); ``to_shorter``
+lets long prompts borrow from pools of shorter ranges (off by default: a 32K
+prefill on a chat replica stalls every chat request on it). Whether a lender
+is idle is decided at admission time (:func:`lender_fits`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 from gateway.settings import PoolConfig
+from policies.routing import Load, Router, RouteRequest
+
+# An estimate from characters may be off by this much: only a prompt this much
+# over every context length is refused without asking a backend.
+APPROXIMATE_MARGIN = 0.1
 
 
-def choose_pool(
-    pools: Mapping[str, PoolConfig], serving_pools: set[str], prompt_tokens: int
-) -> str | None:
-    """The pool whose range holds the prompt, among pools with a replica for the model.
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    home: str
+    lenders: tuple[str, ...] = ()  # pools whose idle headroom it may borrow, nearest first
 
-    When no serving pool's range holds it, the serving pool with the highest
-    range is used so that the request still has a chance to be served; the
-    context-aware routing policy replaces this with explicit spill rules.
-    """
-    in_range = [
-        name for name in pools if name in serving_pools and pools[name].accepts(prompt_tokens)
-    ]
-    if in_range:
-        return in_range[0]
-    candidates = sorted(
-        (name for name in pools if name in serving_pools),
-        key=lambda name: pools[name].min_prompt_tokens,
+
+def _distance(pool: PoolConfig, prompt_tokens: int) -> int:
+    if prompt_tokens < pool.min_prompt_tokens:
+        return pool.min_prompt_tokens - prompt_tokens
+    upper = pool.max_prompt_tokens
+    return 0 if upper is None or prompt_tokens < upper else prompt_tokens - upper + 1
+
+
+def plan_pools(
+    pools: Mapping[str, PoolConfig],
+    serving: Collection[str],
+    prompt_tokens: int,
+    *,
+    to_longer: bool = True,
+    to_shorter: bool = False,
+) -> PoolPlan | None:
+    """The home pool among ``serving`` and its lenders; None when nothing serves."""
+    names = [name for name in pools if name in serving]
+    if not names:
+        return None
+    # Nearest range first; on a tie (a gap between ranges) the longer pool.
+    home = min(
+        names,
+        key=lambda n: (_distance(pools[n], prompt_tokens), -pools[n].min_prompt_tokens),
     )
-    return candidates[-1] if candidates else None
+    floor = pools[home].min_prompt_tokens
+    longer = sorted(
+        (n for n in names if pools[n].min_prompt_tokens > floor),
+        key=lambda n: pools[n].min_prompt_tokens,
+    )
+    shorter = sorted(
+        (n for n in names if pools[n].min_prompt_tokens < floor),
+        key=lambda n: -pools[n].min_prompt_tokens,
+    )
+    lenders = (longer if to_longer else []) + (shorter if to_shorter else [])
+    return PoolPlan(home, tuple(lenders))
+
+
+def _lower_bound(prompt_tokens: int, exact: bool) -> int:
+    """The fewest tokens the prompt may really have, given how it was counted."""
+    return prompt_tokens if exact else int(prompt_tokens * (1 - APPROXIMATE_MARGIN))
+
+
+def fits_context(
+    context_length: int | None, prompt_tokens: int, output_tokens: int, exact: bool = True
+) -> bool:
+    """A backend of unknown context length is given the benefit of the doubt."""
+    if context_length is None:
+        return True
+    return _lower_bound(prompt_tokens, exact) + output_tokens <= context_length
+
+
+def exceeds_every_context(
+    context_lengths: Sequence[int | None], prompt_tokens: int, output_tokens: int, exact: bool
+) -> bool:
+    """True when no backend could hold the request (all lengths known and too small).
+
+    An estimate from characters must exceed by :data:`APPROXIMATE_MARGIN` to be
+    refused: when in doubt, the backend decides.
+    """
+    if not context_lengths or any(length is None for length in context_lengths):
+        return False
+    return not any(
+        fits_context(length, prompt_tokens, output_tokens, exact) for length in context_lengths
+    )
+
+
+def lender_fits(load: Load, cost: int, max_load: float) -> bool:
+    """A lender's backend takes a spilled request only into idle headroom."""
+    return load.fits(cost) and load.pressure(cost) <= max_load
+
+
+def choose_across_pools(
+    plan: PoolPlan,
+    request: RouteRequest,
+    *,
+    loads: Callable[[str], Sequence[Load]],
+    router: Callable[[str], Router],
+    queued: Callable[[str], int],
+    max_load: float,
+) -> tuple[str, Load] | None:
+    """The (pool, backend) to admit to: home first, then lenders' idle headroom.
+
+    ``loads(pool)`` are the candidate backends of a pool (called lazily: a
+    lender's only when home has no room), ``router(pool)`` its router,
+    ``queued(pool)`` the requests waiting in its queue. A lender with waiters of
+    its own lends nothing, and only backends that :func:`lender_fits`.
+    """
+    for pool in (plan.home, *plan.lenders):
+        candidates = loads(pool)
+        if pool != plan.home:
+            if queued(pool):
+                continue
+            candidates = [x for x in candidates if lender_fits(x, request.cost, max_load)]
+        chosen = router(pool).choose(candidates, request)
+        if chosen is not None:
+            return pool, chosen
+    return None

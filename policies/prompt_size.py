@@ -1,38 +1,72 @@
-"""Prompt length estimated without a tokenizer: characters over four.
+"""What a request's prompt is made of, read from its JSON body without a tokenizer.
 
-Good enough to tell a 1K prompt from a 32K one, which is all routing needs;
-the context-aware routing refines it per model from observed usage.
+:func:`shape_of` finds the text a chat template or a completion prompt carries
+(every message's content, tool definitions, a prompt string or list) and any
+prompt that is already token ids. The estimators (``gateway.tokens``) turn a
+:class:`PromptShape` into tokens; :func:`output_tokens` is the other half of a
+request's KV cost.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-CHARS_PER_TOKEN = 4.0
-TOKENS_PER_MESSAGE = 4
+
+@dataclass(frozen=True, slots=True)
+class PromptShape:
+    texts: tuple[str, ...]  # the text to tokenize: message contents, tools, prompts
+    messages: int  # chat messages (each adds template overhead); 0 for completions
+    token_ids: int  # prompt tokens given as ids, counted exactly
+
+    @property
+    def chars(self) -> int:
+        return sum(len(t) for t in self.texts)
+
+    @property
+    def chat(self) -> bool:
+        return self.messages > 0
 
 
-def _text_length(content: Any) -> int:
+def _content_texts(content: Any) -> list[str]:
     if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
-    return 0
+        return [content]
+    if isinstance(content, list):  # content parts; images and audio are not counted
+        parts = (p for p in content if isinstance(p, Mapping))
+        return [p["text"] for p in parts if isinstance(p.get("text"), str)]
+    return []
 
 
-def estimate_prompt_tokens(payload: Mapping[str, Any]) -> int:
+def shape_of(payload: Mapping[str, Any]) -> PromptShape:
     messages = payload.get("messages")
     if isinstance(messages, list):
-        chars = sum(_text_length(m.get("content")) for m in messages if isinstance(m, Mapping))
-        return int(chars / CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE * len(messages)
+        texts: list[str] = []
+        for message in messages:
+            if isinstance(message, Mapping):
+                texts += _content_texts(message.get("content"))
+                if message.get("tool_calls"):
+                    texts.append(json.dumps(message["tool_calls"], ensure_ascii=False))
+        if payload.get("tools"):
+            texts.append(json.dumps(payload["tools"], ensure_ascii=False))
+        return PromptShape(tuple(texts), max(1, len(messages)), 0)
     prompt = payload.get("prompt", payload.get("input"))
     if isinstance(prompt, str):
-        return int(len(prompt) / CHARS_PER_TOKEN)
+        return PromptShape((prompt,), 0, 0)
     if isinstance(prompt, list):
         if prompt and all(isinstance(p, int) for p in prompt):
-            return len(prompt)  # already token ids
-        return sum(
-            len(p) if isinstance(p, list) else int(len(str(p)) / CHARS_PER_TOKEN) for p in prompt
-        )
-    return 0
+            return PromptShape((), 0, len(prompt))  # one prompt of token ids
+        texts = [p for p in prompt if isinstance(p, str)]
+        ids = sum(len(p) for p in prompt if isinstance(p, list))
+        return PromptShape(tuple(texts), 0, ids)
+    return PromptShape((), 0, 0)
+
+
+def output_tokens(payload: Mapping[str, Any], default: int) -> int:
+    """The most output tokens the request may produce: its own bound, else ``default``."""
+    for field in ("max_completion_tokens", "max_tokens"):
+        value = payload.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return default

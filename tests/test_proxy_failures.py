@@ -79,6 +79,9 @@ def test_consecutive_failures_eject_passively(tmp_path: Path) -> None:
     config = {
         "backends": [backend("doomed", doomed.url), backend("alive", alive.url)],
         "health": {"interval_s": 60, "failure_threshold": 2},
+        # Deterministic routing: every request tries `doomed` (first on ties) before `alive`;
+        # the default router draws among equals and might try it only once in four.
+        "routing": {"policy": "least_loaded"},
     }
     gw = start_gateway(tmp_path, config)
     try:

@@ -1,0 +1,181 @@
+"""Where a request may go: its prompt estimated, its pools planned, its backend picked.
+
+:func:`plan_route` runs once per request before admission: it estimates the
+prompt's tokens (``gateway.tokens``), refuses at once with 400
+``context_length_exceeded`` what no backend's context could hold, and plans
+the home pool and the pools it may borrow idle headroom from
+(``policies.long_context``). :func:`make_pick` is the ``pick()`` admission
+calls, each time capacity may have appeared: it turns live replicas into
+:class:`~policies.routing.Load` values, lets the pool's router choose, and
+returns a :class:`~policies.token_budget.Claim` (a permit plus the request's
+tokens) on the chosen replica.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import anyio
+
+from backends.replica import Replica
+from gateway.errors import ContextLengthExceeded, ModelNotFound, Unavailable
+from gateway.routing import load_of, session_of
+from gateway.runtime import Runtime
+from gateway.tokens import Estimate, tokenize_on_backend
+from policies.admission import NoHealthyBackend
+from policies.long_context import (
+    PoolPlan,
+    choose_across_pools,
+    exceeds_every_context,
+    fits_context,
+    plan_pools,
+)
+from policies.prompt_size import PromptShape, output_tokens, shape_of
+from policies.routing import RouteRequest
+from policies.token_budget import Claim
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one request may go and what it costs; fixed before admission."""
+
+    model: str
+    plan: PoolPlan
+    shape: PromptShape
+    estimate: Estimate
+    context_tokens: int  # output tokens the context must hold besides the prompt
+    cost: int  # prompt + max output tokens: its share of a token budget
+    session: str | None
+
+    def fits(self, replica: Replica) -> bool:
+        """The replica's context can hold the prompt and the requested output."""
+        estimate = self.estimate
+        return fits_context(
+            replica.max_model_len, estimate.tokens, self.context_tokens, estimate.exact
+        )
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return (self.plan.home, *self.plan.lenders)
+
+
+def candidates(runtime: Runtime, pool: str, route: Route, tried: set[str]) -> list[Replica]:
+    return [
+        r
+        for r in runtime.current.backends.in_pool(pool)
+        if r.healthy and route.model in r.models and r.name not in tried and route.fits(r)
+    ]
+
+
+async def _estimate(
+    runtime: Runtime, payload: Mapping[str, Any], shape: PromptShape, serving: list[Replica]
+) -> Estimate:
+    settings = runtime.current.settings
+    estimator = settings.routing.estimator
+    model = payload["model"]
+    if estimator.mode == "backend":
+        healthy = [r for r in serving if r.healthy]
+        if healthy:
+            target = min(healthy, key=lambda r: r.in_flight / max(1, r.limit))
+            key = target.config.resolved_api_key()
+            counted = await tokenize_on_backend(
+                runtime.client,
+                target.url,
+                payload,
+                headers={"authorization": f"Bearer {key}"} if key else {},
+                timeout_s=estimator.tokenize_timeout_s,
+            )
+            if counted is not None:
+                if counted.max_model_len is not None:
+                    target.discovered_max_model_len = counted.max_model_len
+                return Estimate(counted.count, exact=True)
+    if estimator.mode == "tokenizer" and model in estimator.tokenizers:
+        return await anyio.to_thread.run_sync(
+            runtime.routing.estimate_locally, model, shape, settings.routing
+        )
+    return runtime.routing.estimate_locally(model, shape, settings.routing)
+
+
+async def plan_route(
+    runtime: Runtime, payload: Mapping[str, Any], headers: Mapping[str, str]
+) -> Route:
+    """Estimate the prompt, refuse what fits no context, plan the pools."""
+    settings = runtime.current.settings
+    routing = settings.routing
+    runtime.routing.configure(routing)
+    model = payload["model"]
+    serving = runtime.current.backends.serving(model)
+    if not serving:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    healthy = [r for r in serving if r.healthy]
+    if not healthy:
+        runtime.recorder.rejected(serving[0].pool, "no_backend")
+        raise Unavailable(f"no healthy backend serves model `{model}`")
+    shape = shape_of(payload)
+    estimate = await _estimate(runtime, payload, shape, serving)
+    explicit = output_tokens(payload, 0)
+    route = Route(
+        model=model,
+        plan=PoolPlan(""),  # planned below, among the pools whose backends can hold it
+        shape=shape,
+        estimate=estimate,
+        context_tokens=max(1, explicit),
+        cost=estimate.tokens + (explicit or routing.token_budget.default_output_tokens),
+        session=session_of(headers, payload, routing),
+    )
+    lengths = [r.max_model_len for r in serving]
+    if exceeds_every_context(lengths, estimate.tokens, route.context_tokens, estimate.exact):
+        largest = max(n for n in lengths if n is not None)
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {largest} tokens. However, you requested "
+            f"about {estimate.tokens + route.context_tokens} tokens "
+            f"({estimate.tokens} in the prompt, {route.context_tokens} in the completion).",
+            param="messages" if shape.chat else "prompt",
+        )
+    spill = routing.spill
+    plan = plan_pools(
+        settings.pools,
+        {r.pool for r in healthy if route.fits(r)},
+        estimate.tokens,
+        to_longer=spill.to_longer,
+        to_shorter=spill.to_shorter,
+    )
+    if plan is None:
+        runtime.recorder.rejected(serving[0].pool, "no_backend")
+        raise Unavailable(f"no healthy backend of `{model}` has the context for this prompt")
+    return replace(route, plan=plan)
+
+
+def make_pick(
+    runtime: Runtime, route: Route, tried: set[str]
+) -> Callable[[], Claim[Replica] | None]:
+    """The router for admission: home pool first, then lenders' idle headroom."""
+    config = runtime.current.settings.routing
+    request = RouteRequest(cost=route.cost, session=route.session)
+
+    def pick() -> Claim[Replica] | None:
+        # Read the live snapshot each time: a waiter must see replicas readmitted
+        # or added while it queued, and fail fast when none is left.
+        settings = runtime.current.settings
+        mono = time.monotonic()
+        replicas = {pool: candidates(runtime, pool, route, tried) for pool in route.pools}
+        if not any(replicas.values()):
+            pools = "`, `".join(route.pools)
+            raise NoHealthyBackend(f"no healthy backend in pool `{pools}` serves `{route.model}`")
+        chosen = choose_across_pools(
+            route.plan,
+            request,
+            loads=lambda pool: [load_of(r, settings, mono) for r in replicas[pool]],
+            router=lambda pool: runtime.routing.router(pool, config),
+            queued=lambda pool: runtime.admission(pool).depth(),
+            max_load=config.spill.max_load,
+        )
+        if chosen is None:
+            return None
+        pool, load = chosen
+        return Claim(next(r for r in replicas[pool] if r.name == load.name), route.cost)
+
+    return pick
