@@ -33,28 +33,40 @@ from gateway.upstream import UpstreamTransport
 log = logging.getLogger("kneecap")
 
 
-def build_client(settings: Settings) -> httpx.AsyncClient:
-    """The one upstream client: keep-alive pool, stall timeout, no cookies.
+def upstream_timeout(settings: Settings) -> httpx.Timeout:
+    upstream = settings.upstream
+    return httpx.Timeout(
+        connect=upstream.connect_timeout_s,
+        read=upstream.read_timeout_s,
+        write=upstream.read_timeout_s,
+        pool=upstream.connect_timeout_s,
+    )
 
-    The transport is kneecap's own for plain HTTP (httpx's default one spends
-    most of the relay's CPU on pool bookkeeping and pure-Python parsing; see
-    ``gateway/upstream.py``). The client is shared by every request of every
-    caller, so it must never store a backend's ``Set-Cookie`` and replay it
-    for someone else: its cookie policy accepts none.
+
+def build_transport(settings: Settings) -> UpstreamTransport:
+    """kneecap's own keep-alive transport for plain HTTP: httpx's default one spends
+    most of the relay's CPU on pool bookkeeping and pure-Python parsing (see
+    ``gateway/upstream.py``); ``https://`` goes to httpx's transport unchanged."""
+    return UpstreamTransport(max_connections=settings.upstream.max_connections)
+
+
+def build_client(
+    settings: Settings, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """The client for the gateway's own calls (health probes, /metrics scrapes).
+
+    Shared by everything, so it must never store a backend's ``Set-Cookie`` and
+    replay it: its cookie policy accepts none. Proxied requests skip the client
+    layer and go straight to the transport.
     """
     upstream = settings.upstream
     client = httpx.AsyncClient(
-        timeout=httpx.Timeout(
-            connect=upstream.connect_timeout_s,
-            read=upstream.read_timeout_s,
-            write=upstream.read_timeout_s,
-            pool=upstream.connect_timeout_s,
-        ),
+        timeout=upstream_timeout(settings),
         limits=httpx.Limits(
             max_connections=upstream.max_connections,
             max_keepalive_connections=upstream.max_connections,
         ),
-        transport=UpstreamTransport(max_connections=upstream.max_connections),
+        transport=transport or build_transport(settings),
         trust_env=False,
     )
     client.cookies.jar.set_policy(DefaultCookiePolicy(allowed_domains=[]))
@@ -82,12 +94,14 @@ def create_app(
 ) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Runtime]]:
-        client = build_client(settings)
+        transport = build_transport(settings)
+        client = build_client(settings, transport)
         urls = dict(sim_urls or {})
         registry = CollectorRegistry()
         runtime = Runtime(
             current=Snapshot.build(settings, None, urls),
             client=client,
+            transport=transport,
             recorder=Recorder(GatewayMetrics(registry)),
             metrics_registry=registry,
             config_path=Path(config_path) if config_path else None,

@@ -128,6 +128,21 @@ def _prepare_stream(request: ProxyRequest) -> bool:
     return True
 
 
+async def _send(runtime: Runtime, url: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
+    """Straight to the client's transport: the proxied request needs none of the client
+    layer (cookies, redirects, auth, event hooks), which costs a third of its CPU."""
+    upstream_request = httpx.Request(
+        "POST",
+        url,
+        content=body,
+        headers=headers,
+        extensions={"timeout": runtime.current.upstream_timeouts},
+    )
+    response = await runtime.transport.handle_async_request(upstream_request)
+    response.request = upstream_request
+    return response
+
+
 def _status_of(error: Exception) -> RequestStatus:
     return "upstream_timeout" if isinstance(error, httpx.TimeoutException) else "upstream_error"
 
@@ -155,14 +170,11 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
         tried.add(replica.name)
         last_attempt = attempt == max_attempts - 1 or left == 1
         try:
-            upstream = await runtime.client.send(
-                runtime.client.build_request(
-                    "POST",
-                    replica.url + request.endpoint,
-                    content=request.body,
-                    headers=_upstream_headers(request, replica, settings.auth.forward_client_key),
-                ),
-                stream=True,
+            upstream = await _send(
+                runtime,
+                replica.url + request.endpoint,
+                request.body,
+                _upstream_headers(request, replica, settings.auth.forward_client_key),
             )
         except httpx.HTTPError as exc:
             _release(runtime, flight, lease, Outcome.DROPPED)

@@ -127,7 +127,8 @@ class StreamRelay:
                 {"type": "http.response.body", "body": error_event(message), "more_body": True}
             )
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return StreamEnd("upstream_error", meter, message)
+            timed_out = isinstance(exc, httpx.TimeoutException)
+            return StreamEnd("upstream_timeout" if timed_out else "upstream_error", meter, message)
         tail = framer.pending if strip else b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         status = "upstream_error" if meter.upstream_error else "ok"

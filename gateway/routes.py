@@ -87,7 +87,7 @@ async def proxied(request: Request) -> Any:
     started = time.perf_counter()
     key_priority = require_client_key(request)
     runtime = runtime_of(request)
-    endpoint = request.url.path
+    endpoint = request.scope["path"]  # request.url would build a whole URL object
     body = await read_body(request, runtime.current.settings.max_body_bytes)
     payload = parse_payload(body, endpoint)
     proxy_request = ProxyRequest(

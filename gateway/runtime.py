@@ -35,17 +35,26 @@ class Snapshot:
     backends: BackendSet
     client_keys: tuple[tuple[bytes, str], ...] = ()  # (key, priority class)
     admin_token: bytes | None = None
+    # Per-request timeouts for the transport; a reload changes them for new requests.
+    upstream_timeouts: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def build(
         cls, settings: Settings, previous: BackendSet | None, sim_urls: Mapping[str, str]
     ) -> Snapshot:
         admin = settings.auth.admin_token
+        upstream = settings.upstream
         return cls(
             settings=settings,
             backends=BackendSet.build(settings.backends, previous, sim_urls),
             client_keys=tuple((k.encode(), p) for k, p in settings.auth.client_keys()),
             admin_token=admin.get_secret_value().encode() if admin else None,
+            upstream_timeouts={
+                "connect": upstream.connect_timeout_s,
+                "read": upstream.read_timeout_s,  # the stall guard between chunks
+                "write": upstream.read_timeout_s,
+                "pool": upstream.connect_timeout_s,
+            },
         )
 
     def client_priority(self, presented: str | None) -> str | None:
@@ -76,6 +85,7 @@ class ReloadResult:
 class Runtime:
     current: Snapshot
     client: httpx.AsyncClient
+    transport: httpx.AsyncBaseTransport  # proxied requests go straight here
     recorder: Recorder
     metrics_registry: CollectorRegistry
     config_path: Path | None = None

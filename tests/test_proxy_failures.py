@@ -165,3 +165,23 @@ def test_sdk_raises_when_the_backend_dies_mid_stream(tmp_path: Path) -> None:
         assert received < 500
     finally:
         gw.proc.stop()
+
+
+def test_stalled_upstream_is_cut_by_the_read_timeout(tmp_path: Path) -> None:
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=3000)  # stalls 3 s between tokens
+    config = {"backends": [backend("s", sim.url)], "upstream": {"read_timeout_s": 0.3}}
+    gw = start_gateway(tmp_path, config)
+    try:
+        body = {**CHAT, "stream": True, "max_tokens": 5}
+        started = time.monotonic()
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=10) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert time.monotonic() - started < 3  # cut before the next token would have come
+        assert events[-1].startswith('data: {"error"')
+        assert "ReadTimeout" in events[-1]
+        metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+        assert 'status="upstream_timeout"} 1.0' in metrics
+        assert gw.state()["backends"][0]["in_flight"] == 0
+    finally:
+        gw.proc.stop()
+        sim.stop()
