@@ -9,12 +9,12 @@ gateway's own in-flight counts stand in for it.
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import anyio
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from backends.engines import ENGINE_METRICS, EngineMetricNames
 from backends.pool import BackendSet
@@ -23,14 +23,46 @@ from backends.replica import EngineGauges, Replica
 log = logging.getLogger("kneecap.scrape")
 
 
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_CAPACITY_NAMES = ("vllm:cache_config_info", "sglang:max_total_num_tokens")
+
+
+def samples(text: str, names: tuple[str, ...]) -> Iterator[tuple[str, str, float]]:
+    """(name, label text, value) of every sample of ``names`` in a text exposition.
+
+    A real engine's /metrics runs to thousands of lines, mostly histogram buckets
+    nobody here reads; a full parse of it every second costs a large share of a
+    core. Lines are skipped by a prefix test in C, and only the wanted ones are
+    taken apart. Names must match exactly: ``vllm:num_requests_waiting_by_reason``
+    is not ``vllm:num_requests_waiting``.
+    """
+    for line in text.splitlines():
+        if not line.startswith(names):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name, close = line[:brace], line.rfind("}")
+            labels, rest = line[brace + 1 : close], line[close + 1 :]
+        else:
+            name, labels, rest = line[:space], "", line[space:]
+        if name not in names:
+            continue
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            yield name, labels, float(fields[0])
+        except ValueError:
+            continue
+
+
 def parse_engine_gauges(text: str, names: EngineMetricNames, now: float) -> EngineGauges:
-    wanted = set(names.running + names.waiting + names.kv_usage)
+    wanted = names.running + names.waiting + names.kv_usage
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                # Several engines (data-parallel ranks) report one series each.
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    for name, _, value in samples(text, wanted):
+        # Several engines (data-parallel ranks) report one series each.
+        totals[name] = totals.get(name, 0.0) + value
 
     def first(candidates: tuple[str, ...]) -> float | None:
         return next((totals[n] for n in candidates if n in totals), None)
@@ -52,15 +84,14 @@ def parse_kv_capacity(text: str) -> int | None:
     one rank's size is the safe side.
     """
     largest = 0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "vllm:cache_config_info":
-                blocks = sample.labels.get("num_gpu_blocks", "")
-                size = sample.labels.get("block_size", "")
-                if blocks.isdigit() and size.isdigit():
-                    largest = max(largest, int(blocks) * int(size))
-            elif sample.name == "sglang:max_total_num_tokens":
-                largest = max(largest, int(sample.value))
+    for name, labels, value in samples(text, _CAPACITY_NAMES):
+        if name == "sglang:max_total_num_tokens":
+            largest = max(largest, int(value))
+            continue
+        found = dict(_LABEL.findall(labels))
+        blocks, size = found.get("num_gpu_blocks", ""), found.get("block_size", "")
+        if blocks.isdigit() and size.isdigit():
+            largest = max(largest, int(blocks) * int(size))
     return largest or None
 
 
@@ -75,8 +106,9 @@ async def scrape_one(client: httpx.AsyncClient, replica: Replica, timeout_s: flo
     if response.status_code != 200:
         return
     try:
-        replica.engine = parse_engine_gauges(response.text, names, time.monotonic())
-        replica.kv_capacity_tokens = parse_kv_capacity(response.text) or replica.kv_capacity_tokens
+        text = response.text
+        replica.engine = parse_engine_gauges(text, names, time.monotonic())
+        replica.kv_capacity_tokens = parse_kv_capacity(text) or replica.kv_capacity_tokens
     except ValueError as exc:
         log.debug("unparsable /metrics from %s: %s", replica.name, exc)
 
