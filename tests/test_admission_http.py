@@ -195,7 +195,7 @@ def test_reload_raises_the_limit_without_losing_queued_requests(
     gw = gateway_with(tmp_path, slow_sim, STATIC_1)
     results: list = []
     try:
-        threads = [stream_in_background(gw, 100, results) for _ in range(4)]
+        threads = [stream_in_background(gw, 250, results) for _ in range(4)]  # ~5 s each
         wait_until(lambda: pool_state(gw)["queue_depth"] == 3)
         config = dict(gw.config)
         config["backends"] = [
@@ -207,6 +207,6 @@ def test_reload_raises_the_limit_without_losing_queued_requests(
         assert pool_state(gw)["queue_depth"] == 0
         for t in threads:
             t.join(30)
-        assert results == [(200, 100)] * 4
+        assert results == [(200, 250)] * 4
     finally:
         gw.proc.stop()
