@@ -92,7 +92,8 @@ class PoolConfig(Frozen):
 
 class HealthConfig(Frozen):
     interval_s: float = Field(2.0, gt=0)
-    timeout_s: float = Field(2.0, gt=0)
+    # An engine busy at full batch can take seconds to answer; too short flaps it.
+    timeout_s: float = Field(5.0, gt=0)
     path: str = "/health"
     # Passive ejection: this many consecutive failed requests take a backend out
     # until the next successful active probe.

@@ -74,7 +74,7 @@ def make_app(seen: Seen) -> Starlette:
         async def stream() -> AsyncIterator[bytes]:
             yield _chunk({"role": "assistant", "content": ""})
             await asyncio.sleep(TTFT_S)
-            if body["model"] == "dies" and n > 1:  # the probe (1 token) passes
+            if body["model"] == "dies" and n > 4:  # the probe (4 tokens) passes
                 yield _chunk({"content": "tok "})
                 raise RuntimeError("backend died mid-stream")
             for i in range(n):

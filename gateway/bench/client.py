@@ -99,7 +99,10 @@ async def stream_request(
     if error is None and meter.upstream_error:
         error = "error event in the stream"
     if error is None and meter.first_output is None:
-        error = "stream ended without output"
+        # Tokens that decode to no text yet (part of a UTF-8 character) stream no content:
+        # only a stream whose usage shows no token at all produced nothing.
+        if meter.usage is None or meter.usage.completion_tokens == 0:
+            error = "stream ended without output"
     usage = meter.usage
     output = usage.completion_tokens if usage else meter.output_events
     if output > meter.output_events:  # some events carried several tokens

@@ -72,7 +72,8 @@ class HttpTarget:
 
     async def prepare(self, workloads: Sequence[Workload]) -> list[str]:
         self._model = await self._resolve_model()
-        probe = RequestSpec(0, PROBE_PROMPT_TOKENS, 1, None, 0)
+        # A few tokens: a single one may be part of a character and stream no text.
+        probe = RequestSpec(0, PROBE_PROMPT_TOKENS, 4, None, 0)
         record = await self._request(probe, Ticket(0, counted=False))
         if record.error is not None:
             hint = ""

@@ -13,13 +13,19 @@ Every test under this directory is marked `real_engine`; skip them all locally w
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.procs import Gateway, start_gateway, wait_until
 from tests.real_engine import vllm_server
 
 ENGINE_GAUGES = (
@@ -82,3 +88,132 @@ def real_vllm() -> Iterator[RealVllm]:
         yield RealVllm(server.root_url, server.pid)
     finally:
         server.stop()
+
+
+# -- kneecap in front of the real engine ----------------------------------------
+
+BACKEND = "vllm-0"  # the one backend of every gateway started by start_real_gateway
+# Seconds. While the CPU engine decodes, its processes take both cores, and the gateway, the
+# engine's API server and the tests themselves can each wait seconds for a time slice.
+SLOW = 60.0
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of a Prometheus text endpoint, keyed by (name, labels)."""
+    response = httpx.get(url, timeout=SLOW, trust_env=False)
+    response.raise_for_status()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of ``name`` over the series whose labels include ``labels``."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
+
+
+def engine_value(engine: RealVllm, name: str, **labels: str) -> float:
+    """One figure of the engine's /metrics (summed over matching series)."""
+    return total(scrape(engine.root_url + "/metrics"), name, **labels)
+
+
+def admin_state(gateway: Gateway) -> dict[str, Any]:
+    response = httpx.get(gateway.url + "/admin/state", timeout=SLOW, trust_env=False)
+    response.raise_for_status()
+    state: dict[str, Any] = response.json()
+    return state
+
+
+def backend_state(gateway: Gateway) -> dict[str, Any]:
+    """The one backend's entry in /admin/state."""
+    backend: dict[str, Any] = next(
+        b for b in admin_state(gateway)["backends"] if b["name"] == BACKEND
+    )
+    return backend
+
+
+def poll(condition: Callable[[], bool], give_up: Callable[[], bool], timeout: float = SLOW) -> bool:
+    """Whether ``condition`` came true before ``give_up`` did (or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        if give_up():
+            return False
+    return condition()
+
+
+class LongStreams:
+    """``count`` streams of ``body`` to ``url``, each read on a thread of its own.
+
+    Leaving the block closes the ones still running (the gateway passes the close on and
+    the engine aborts them). ``cut_short`` tells, per stream, whether it was still running
+    then: on 2 busy cores a stream can end before the test has done what it needed it for.
+    """
+
+    def __init__(self, url: str, body: dict[str, Any], count: int) -> None:
+        self.url, self.body, self.count = url, {**body, "stream": True}, count
+        self.statuses: list[int] = []
+        self.cut_short: list[bool] = []
+        self._release = threading.Event()
+        self._pool = ThreadPoolExecutor(count)
+        self._streams: list[Future[None]] = []
+
+    def __enter__(self) -> LongStreams:
+        self._streams = [self._pool.submit(self._read) for _ in range(self.count)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._release.set()
+        self._pool.shutdown(wait=True)
+        for stream in self._streams:
+            stream.result()  # re-raise what a reader hit
+
+    def any_ended(self) -> bool:
+        return any(stream.done() for stream in self._streams)
+
+    def _read(self) -> None:
+        with httpx.stream("POST", self.url, json=self.body, timeout=SLOW) as response:
+            self.statuses.append(response.status_code)
+            for _ in response.iter_lines():
+                if self._release.is_set():
+                    break
+            self.cut_short.append(self._release.is_set())
+
+
+def start_real_gateway(tmp: Path, engine: RealVllm, limit: int, **config: Any) -> Gateway:
+    """A gateway process with the engine as its one backend (models discovered), ready.
+
+    The limit is static so that nothing but the test moves it; engine gauges are scraped
+    twice a second and the measurement window is long enough to outlive a module.
+    """
+    static = {"kind": "static", "initial": limit, "min": 1, "max": limit}
+    backend = {"name": BACKEND, "url": engine.root_url, "engine": "vllm", "limit": static}
+    base: dict[str, Any] = {
+        "pools": {"short": {}},
+        "backends": [backend],
+        # A busy CPU engine can take seconds to answer /health: no flapping in the tests.
+        "health": {"interval_s": 0.5, "timeout_s": SLOW / 2},
+        "measurement": {"window_s": 600, "scrape_interval_s": 0.5},
+    }
+    gateway = start_gateway(tmp, {**base, **config})
+    try:
+        # Up, with the engine's model discovered from its /v1/models.
+        wait_until(lambda: _serves(gateway, engine.model), timeout=SLOW, interval=0.1)
+    except BaseException:
+        gateway.proc.stop()
+        raise
+    return gateway
+
+
+def _serves(gateway: Gateway, model: str) -> bool:
+    try:
+        response = httpx.get(gateway.url + "/v1/models", timeout=SLOW, trust_env=False)
+    except httpx.HTTPError:
+        return False
+    return model in {m["id"] for m in response.json()["data"]}
