@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Awaitable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_SCOPE_KEY = "kneecap.request_id"
+# When the request reached the gateway (perf_counter): TTFT and e2e start here.
+RECEIVED_SCOPE_KEY = "kneecap.received"
 
 
 class RequestIdMiddleware:
@@ -17,6 +20,7 @@ class RequestIdMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received = time.perf_counter()
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -27,6 +31,7 @@ class RequestIdMiddleware:
                 break
         request_id = request_id or uuid.uuid4().hex
         scope[REQUEST_ID_SCOPE_KEY] = request_id
+        scope[RECEIVED_SCOPE_KEY] = received
         encoded = request_id.encode("latin-1")
 
         # A plain function handing back send's awaitable: no coroutine of its own per

@@ -153,7 +153,13 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
     pool = route.plan.home
     streaming = request.payload.get("stream") is True
     strip_usage = _prepare_stream(request) if streaming else False
-    flight = Flight(pool=pool, model=route.model, stream=streaming, started=request.started)
+    flight = Flight(
+        pool=pool,
+        model=route.model,
+        stream=streaming,
+        started=request.started,
+        request_id=request.request_id,
+    )
     tried: set[str] = set()
     last_error: Exception | None = None
     last_replica: Replica | None = None

@@ -59,3 +59,24 @@ class RequestRecord:
     e2e_s: float
     prompt_tokens: int | None
     completion_tokens: int | None
+    request_id: str = ""
+
+    def summary(self) -> dict[str, object]:
+        """What ``GET /admin/requests`` shows of it (ITL as count and mean, not every gap)."""
+        gaps = len(self.itl_s)
+        return {
+            "request_id": self.request_id,
+            "backend": self.backend,
+            "pool": self.pool,
+            "model": self.model,
+            "status": self.status,
+            "stream": self.stream,
+            "finish_reason": self.finish_reason,
+            "queue_s": self.queue_s,
+            "ttft_s": self.ttft_s,
+            "itl_mean_s": sum(self.itl_s) / gaps if gaps else None,
+            "itl_count": gaps,
+            "e2e_s": self.e2e_s,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+        }

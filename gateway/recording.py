@@ -7,6 +7,7 @@ relay's: ``time.perf_counter``, monotonic, the same one the meter timed with.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,15 +25,21 @@ class Flight:
     model: str
     stream: bool
     started: float  # receipt, perf_counter
+    request_id: str = ""
     admitted: float = 0.0  # admission to a backend, perf_counter
 
 
 class Recorder:
     def __init__(
-        self, metrics: GatewayMetrics, clock: Callable[[], float] = time.perf_counter
+        self,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float] = time.perf_counter,
+        keep_recent: int = 256,
     ) -> None:
         self.metrics = metrics
         self.clock = clock
+        # The last requests, for GET /admin/requests: what one request actually measured.
+        self.recent: deque[RequestRecord] = deque(maxlen=keep_recent)
 
     def finished(
         self,
@@ -50,22 +57,23 @@ class Recorder:
             finish_reason = meter.finish_reason
         ttft = meter.ttft if meter is not None else None
         gaps = meter.token_gaps() if meter is not None else []
-        self.metrics.observe_request(
-            RequestRecord(
-                backend=replica.name,
-                pool=flight.pool,
-                model=flight.model,
-                status=status,
-                stream=flight.stream,
-                finish_reason=finish_reason,
-                queue_s=flight.admitted - flight.started,
-                ttft_s=ttft,
-                itl_s=gaps,
-                e2e_s=end - flight.started,
-                prompt_tokens=usage.prompt_tokens if usage else None,
-                completion_tokens=usage.completion_tokens if usage else None,
-            )
+        record = RequestRecord(
+            backend=replica.name,
+            pool=flight.pool,
+            model=flight.model,
+            status=status,
+            stream=flight.stream,
+            finish_reason=finish_reason,
+            queue_s=flight.admitted - flight.started,
+            ttft_s=ttft,
+            itl_s=gaps,
+            e2e_s=end - flight.started,
+            prompt_tokens=usage.prompt_tokens if usage else None,
+            completion_tokens=usage.completion_tokens if usage else None,
+            request_id=flight.request_id,
         )
+        self.metrics.observe_request(record)
+        self.recent.append(record)
         window = replica.window
         if meter is not None:
             meter.flush(end)

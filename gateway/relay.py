@@ -74,7 +74,9 @@ class StreamRelay:
         self.meter = meter
         self.headers = headers
         self.finish = finish
-        self._client_gone = False
+        # Set once the upstream body is over, before the last send: the client may
+        # hang up the moment it has the last byte, and that is not a disconnect.
+        self._end: StreamEnd | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         end = StreamEnd("client_closed", self.meter)
@@ -88,24 +90,24 @@ class StreamRelay:
             )
             async with anyio.create_task_group() as group:
                 group.start_soon(self._watch_disconnect, receive, group.cancel_scope)
-                end = await self._pump(send)
+                await self._pump(send)
                 group.cancel_scope.cancel()
         except OSError:
-            end = StreamEnd("client_closed", self.meter)  # ASGI ≥ 2.4: send to a closed client
+            pass  # ASGI ≥ 2.4: a send to a closed client
         finally:
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
-                self.finish(end)
+                self.finish(self._end or end)
 
     async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                self._client_gone = True
-                scope.cancel()
+                if self._end is None:
+                    scope.cancel()
                 return
 
-    async def _pump(self, send: Send) -> StreamEnd:
+    async def _pump(self, send: Send) -> None:
         meter = self.meter
         framer = SSEFramer()
         strip = meter.strip_usage
@@ -123,13 +125,14 @@ class StreamRelay:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             message = f"upstream failed mid-stream: {type(exc).__name__}: {exc}".rstrip(": ")
+            timed_out = isinstance(exc, httpx.TimeoutException)
+            status: RequestStatus = "upstream_timeout" if timed_out else "upstream_error"
+            self._end = StreamEnd(status, meter, message)
             await send(
                 {"type": "http.response.body", "body": error_event(message), "more_body": True}
             )
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            timed_out = isinstance(exc, httpx.TimeoutException)
-            return StreamEnd("upstream_timeout" if timed_out else "upstream_error", meter, message)
+            return
+        self._end = StreamEnd("upstream_error" if meter.upstream_error else "ok", meter)
         tail = framer.pending if strip else b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})
-        status = "upstream_error" if meter.upstream_error else "ok"
-        return StreamEnd(status, meter)

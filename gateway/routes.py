@@ -15,7 +15,7 @@ from starlette.routing import Route
 from backends.replica import Replica
 from gateway.errors import InvalidRequest, PayloadTooLarge, Unauthorized
 from gateway.metrics import render
-from gateway.middleware import REQUEST_ID_SCOPE_KEY
+from gateway.middleware import RECEIVED_SCOPE_KEY, REQUEST_ID_SCOPE_KEY
 from gateway.proxy import ProxyRequest, proxy
 from gateway.relay import StreamRelay
 from gateway.routing import token_limit_of
@@ -84,7 +84,7 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
 
 
 async def proxied(request: Request) -> Any:
-    started = time.perf_counter()
+    started = request.scope.get(RECEIVED_SCOPE_KEY) or time.perf_counter()
     key_priority = require_client_key(request)
     runtime = runtime_of(request)
     endpoint = request.scope["path"]  # request.url would build a whole URL object
@@ -211,6 +211,16 @@ async def admin_state(request: Request) -> Response:
     return JSONResponse({"backends": backends, "pools": pools, "routing": routing})
 
 
+async def admin_requests(request: Request) -> Response:
+    """The last requests' own measurements, newest last (``?limit=N``, default 50)."""
+    require_admin(request)
+    limit = request.query_params.get("limit", "50")
+    if not limit.isdigit():
+        raise InvalidRequest("limit must be a non-negative integer", param="limit")
+    recent = list(runtime_of(request).recorder.recent)[-int(limit) :] if int(limit) else []
+    return JSONResponse({"requests": [r.summary() for r in recent]})
+
+
 async def metrics(request: Request) -> Response:
     runtime = runtime_of(request)
     runtime.refresh_gauges()
@@ -227,5 +237,6 @@ ROUTES = [
     Route("/ready", ready, methods=["GET"]),
     Route("/admin/reload", admin_reload, methods=["POST"]),
     Route("/admin/state", admin_state, methods=["GET"]),
+    Route("/admin/requests", admin_requests, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]

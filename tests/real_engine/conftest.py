@@ -76,7 +76,9 @@ class RealVllm:
         return values
 
 
-@pytest.fixture(scope="session")
+# Package scope: the engine (3 GB, some CPU even idle) stops once its tests are done,
+# instead of idling beside the latency-sensitive tests that run after it.
+@pytest.fixture(scope="package")
 def real_vllm() -> Iterator[RealVllm]:
     external = os.environ.get("KNEECAP_REAL_VLLM_URL")
     if external:
