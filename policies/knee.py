@@ -1,135 +1,174 @@
 """The ``knee`` limit controller (kneecap's default).
 
-Goal: hold each backend at the largest concurrency at which (a) windowed p95
-TTFT and ITL meet the SLO and (b) one more permit still buys enough throughput.
-Past that knee an engine keeps adding a little throughput while latency grows
-(Qwen3-4B on an L40S: +16 % tokens/s from 32 to 64 in flight for ~7x p95 TTFT),
-so the knee, not the throughput peak, is the operating point.
+Goal: hold each backend at the largest concurrency at which (a) it does not
+object -- no queue inside the engine, windowed p95 TTFT and ITL within the
+SLO -- and (b) one more permit still buys enough throughput.
 
-Every sample (L = current limit, c = the sample's in_flight)::
+(b) is measured through decode speed, not by comparing throughputs. A decode
+step reads the weights once (time ``a``, whatever the batch) plus the KV cache
+of every running sequence, so a stream's time per token is ``y(c) = a + b(c)``
+with ``b`` growing with the tokens held, and throughput is ``T(c) = c / y(c)``.
+For ``b`` linear in c the marginal permit yields ``a / y(c)`` of an average
+permit's throughput: a stream's slowdown against decoding alone *is* the
+marginal-throughput signal, and it is read from every window rather than from
+two noisy windowed rates taken at two limits minutes apart. The gateway's
+window gives ``y = running / tokens_per_s``; ``a`` (``solo``) is measured
+once, at the low concurrency a fresh start begins with.
+
+Every sample (L = limit, c = in_flight, W = engine_waiting, S = settle_s)::
 
     pressure = max(ttft_p95 / ttft_p95_slo, itl_p95 / itl_p95_slo)   # None parts skipped
-    headroom = 1 - pressure                                          # 0.5 if both None
 
-    Decrease, at most once per settle_s (the window still holds a breach for a while).
-    A sample judges the concurrency c it saw, not L, and vouches for at most
-      1. engine queueing  engine_waiting > tolerance -> c - engine_waiting (what it runs)
-      2. SLO breach       pressure > 1 -> c * clamp(1 / pressure, 0.5, backoff)
-    if that is below L:   L = max(L / 2, min(L - 1, vouched)); ceiling = min(L, c)
-    (Judging c matters after a cut: requests admitted under the old limit drain
-    slowly and keep filling the window; cutting again for them would overshoot.)
+    1. objection, judged on c (what the window saw), not on L:
+         engine queueing, W > tolerance for S -> the backend holds H = c - W
+             (a burst of admissions queues for a few steps, so W counts only from S
+             after the last raise; a full KV cache queues for good)
+         SLO breach, pressure > 1             -> it held H = c, too slowly
+       ceiling C = min(C, H), forgotten ceiling_ttl_s after the last objection, or
+       breach_ttl_s after a breach within 2 S of a raise (the burst of prefills a
+       raise admits can breach by itself);
+       at most once per S (a window still holds a breach for a while):
+         L = max(L / 2, min((1 - margin) * H, c / pressure))  if that is < L
+             (the c / pressure term only for a breach)
+    2. the knee estimate, from a window's worth (S) of samples, c = their mean in_flight:
+         running = c, or c - W once the engine has queued for S (a full KV cache)
+         y       = running / tokens_per_s          # s per token of one stream
+         solo    = y at running = c0, measured at the first level of a fresh start
+                   (busy and steady), again whenever c <= solo_level; a y below solo
+                   at a higher c (a faster backend) replaces it, with c0 = 0
+         k       = a / b * (1 / marginal_fraction - 1), with b and a from the line
+                   through (c0, solo) and (running, y): b = (y - solo) / (running - c0),
+                   a = solo - b * c0; the c at which y = a / marginal_fraction.
+                   Capped at 2 * running: a capped k is only a floor of the knee
+       steady windows (in_flight within +-steady_tolerance) feed
+         K = EWMA of k, time constant knee_smoothing_s when k > K,
+             * down_speedup when k < K, * queueing_slowdown while the KV cache is
+             full (its requests are the oldest, the slowest there will be);
+             before a first uncapped k, K is the highest floor (it may raise L,
+             never lower it)
+       and the drift check: a stable stretch of y (S of samples within
+       drift_tolerance / 2) that differs by more than drift_tolerance from the last
+       stable one at about the same c, S to 6 S earlier, means a different backend:
+       solo is rescaled by the same ratio and K restarts. Requests age slowly (their
+       KV grows with every token), a replaced backend changes y at once.
+    3. raises are granted at ramp_per_s permits per second, and so is a fresh start,
+       from solo_level up to ``initial`` (after holding solo_level for S to measure
+       solo): N permits at once are N prefills queued behind each other, a TTFT spike
+       the raise itself caused. A raise stops early where this sample's (uncapped) k
+       says the knee is.
+    4. goal G = min(K, (1 - margin) * C):
+         L > G * (1 + deadband), at most once per S -> L = max(G, L * (1 - max_step))
+             (k judges what was in flight, so this need not wait for a drain)
+       everything else waits until L is settled (in_flight <= L held for S):
+         in_flight < busy_fraction * L or no demand     -> hold (not the bottleneck)
+         no K or no measured solo yet: a fresh start    -> L = L * (1 + max_step)
+                                       a carried limit  -> hold (it only backs off)
+         L < G * (1 - deadband)                         -> L = min(G, L * (1 + max_step))
+         otherwise                                      -> hold
+       On reload a knee controller hands its measured solo to its successor, which
+       starts at the carried limit without ramp or solo phase.
 
-    Everything else waits until the level is settled: in_flight <= L has held
-    for settle_s (a cut is "reached" only once the old admissions drained), and,
-    when rule 4 is on, judge_samples samples were taken there.
-      3. hold             in_flight < busy_fraction * L: not the bottleneck
-      4. diminishing returns (off when marginal_fraction = 0)
-         T(x) = tokens/s remembered at level x (busy samples, EWMA);
-         R = highest remembered level <= L * (1 - marginal_span):
-         worth it  <=>    (T(L) - T(R)) / (L - R) >= marginal_fraction * T(R) / R
-           not worth, L was just reached by a probe  -> undo the probe, ceiling = L
-           not worth otherwise                        -> hold
-           no R                          -> measure one: go to L * (1 - marginal_span)
-                             until settled, then return to L (a probe, so judged);
-                             at most once per ceiling_ttl_s from the same level
-         A probe is judged once, on its first settled samples.
-      5. probe up         demand > 0 and headroom >= min_headroom; step =
-           slow start (fresh, nothing decreased yet)  L * probe_growth * headroom
-           below an active ceiling C                  (C - 1 - L) * headroom / 2, up to C - 1
-           after the ceiling expired                  1, 2, 4, ... (doubling), at most
-                                                      the slow-start step
-         and at least 1.
-    Raises are granted at ramp_per_s permits per second (one second assumed until
-    two samples give the cadence), and so is a fresh start from 0 up to
-    ``initial``: N permits at once are N prefills queued behind each other, a TTFT
-    spike caused by the raise itself. Settling starts when the ramp ends.
-
-Why so: slow start finds the neighbourhood in a few settle periods; once a
-ceiling is known the controller creeps, so the steady state is a small sawtooth
-under the knee. The ceiling expires (ceiling_ttl_s) so that a faster backend is
-re-probed; re-probing starts at one permit because an engine's TTFT gives little
-warning before its cliff (flat until the KV cache or token budget runs out).
-Rule 4 compares levels marginal_span apart, not neighbours: near the knee one
-permit adds ~1 % of throughput, far below the noise of a windowed rate; and it
-only ever undoes a step it has just measured both ends of, so noisy or stale
-memories cannot drive a chain of cuts. Memories expire (memory_ttl_s) and are
-all dropped when a level's throughput jumps by more than drift_tolerance.
+Why so: the estimate reacts within one window and needs no probing, so there
+is no sawtooth; the deadband and the smoothing keep the limit still while
+requests age. The objections catch what the estimate cannot see: a KV cache
+that runs out (requests wait inside the engine and their TTFT jumps from
+~0.1 s to seconds), a prefill storm, a backend that got slower; the margin
+keeps the limit off that cliff and the ceiling keeps the estimate from walking
+back onto it for ceiling_ttl_s. Limits of the model: a change of weight format
+alone (FP8 for BF16 weights) moves ``a`` but barely ``y`` at high concurrency,
+so it is seen only when the restart's transient is, or at the next fresh start.
 
 Defaults and why:
-  ttft_p95_slo 0.5 s, itl_p95_slo 0.1 s (10 tokens/s per stream, faster than
-      people read; 50 ms would pin an L4, ~37 ms per step alone, near 1)
-  marginal_fraction 0.4, marginal_span 0.25: on a decode-bound engine the ratio
-      marginal/average permit throughput is ~ITL(1)/ITL(c), so 0.4 stops where a
-      stream decodes at 40 % of its solo speed; the seed figures' 32 -> 64 step
-      (5.4 tok/s per permit against 34 at 32, i.e. 0.16) is far past it
-  probe_growth 0.5, min_headroom 0.1, backoff 0.9, busy_fraction 0.9
-  settle_s 5 s (keep it >= the gateway's sample window), judge_samples 3,
-  ramp_per_s 4 (four 1K-token prefills are ~0.2 s on an L40S)
-  ceiling_ttl_s 60 s, memory_ttl_s 600 s, drift_tolerance 0.25, tolerance 0
+  ttft_p95_slo 0.5 s; itl_p95_slo 0.15 s (~6.5 tokens/s per stream, about reading
+      speed; a window's p95 catches the prefill stalls a burst of admissions causes)
+  marginal_fraction 0.35: stop where a stream decodes at about a third of its solo
+      speed, the marginal permit bringing about a third of an average one. The seed
+      figures' step from 32 to 64 in flight brings 5.4 tok/s per permit against 34 at
+      32 (0.16): far past it; on the simulated L40S this lands at 35-40 in flight
+  margin 0.2: 20 % below where the backend objected leaves a fifth of the KV cache
+      for requests that are still growing
+  knee_smoothing_s 30, down_speedup 0.5, queueing_slowdown 2, deadband 0.1,
+      max_step 0.5, steady_tolerance 0.1, busy_fraction 0.9
+  settle_s 5 s (keep it >= the gateway's sample window), ramp_per_s 4 and
+      solo_level 4 (four 1K-token prefills are ~0.2 s on an L40S; four streams decode
+      within ~10 % of one alone)
+  ceiling_ttl_s 600 s, breach_ttl_s 60 s, drift_tolerance 0.5, engine_waiting_tolerance 0
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import deque
 from typing import Literal
 
 from pydantic import Field
 
 from policies.base import LimitBounds, Sample
 
-_NO_EVIDENCE_HEADROOM = 0.5  # probe moderately when no latency percentile exists yet
-_SMOOTHING = 0.5  # EWMA weight of the newest tokens/s at a level
 _MAX_CUT = 0.5  # no single decrease removes more than half the limit
+_CAP = 2.0  # one sample never suggests more than twice what it saw
 
 
 class KneeLimitConfig(LimitBounds):
     kind: Literal["knee"] = "knee"
     ttft_p95_slo: float = Field(default=0.5, gt=0)
-    itl_p95_slo: float = Field(default=0.1, gt=0)
-    marginal_fraction: float = Field(default=0.4, ge=0, le=1)
-    marginal_span: float = Field(default=0.25, gt=0, lt=1)
-    probe_growth: float = Field(default=0.5, gt=0)
-    min_headroom: float = Field(default=0.1, ge=0, lt=1)
-    backoff: float = Field(default=0.9, ge=_MAX_CUT, lt=1)
+    itl_p95_slo: float = Field(default=0.15, gt=0)
+    marginal_fraction: float = Field(default=0.35, gt=0, lt=1)
+    margin: float = Field(default=0.2, ge=0, lt=1)
+    knee_smoothing_s: float = Field(default=30.0, ge=0)
+    down_speedup: float = Field(default=0.5, gt=0, le=1)
+    queueing_slowdown: float = Field(default=2.0, ge=1)
+    deadband: float = Field(default=0.1, ge=0, lt=1)
+    max_step: float = Field(default=0.5, gt=0)
+    steady_tolerance: float = Field(default=0.1, ge=0)
     busy_fraction: float = Field(default=0.9, gt=0, le=1)
     engine_waiting_tolerance: int = Field(default=0, ge=0)
     settle_s: float = Field(default=5.0, ge=0)
     ramp_per_s: float = Field(default=4.0, gt=0)
-    judge_samples: int = Field(default=3, ge=1)
-    ceiling_ttl_s: float = Field(default=60.0, ge=0)
-    memory_ttl_s: float = Field(default=600.0, ge=0)
-    drift_tolerance: float = Field(default=0.25, gt=0)
-
-
-@dataclass(slots=True)
-class _Level:
-    tokens_per_s: float
-    at: float
+    solo_level: int = Field(default=4, ge=1)
+    ceiling_ttl_s: float = Field(default=600.0, ge=0)
+    breach_ttl_s: float = Field(default=60.0, ge=0)
+    drift_tolerance: float = Field(default=0.5, gt=0)
 
 
 class KneeLimit:
-    def __init__(self, config: KneeLimitConfig, start: int | None = None) -> None:
+    def __init__(
+        self,
+        config: KneeLimitConfig,
+        start: int | None = None,
+        *,
+        solo: tuple[float, float] | None = None,
+    ) -> None:
+        """``start``: a carried-over limit; ``solo``: (solo, at running) measured before."""
         self._cfg = config
-        # A carried-over limit was found by measurement: resume carefully, no slow start.
         self._slow_start = start is None
         self._target = config.clamp(config.initial if start is None else start)
-        # A raise is granted gradually (see _ramp), and so is a fresh start: a gateway
-        # starting in front of waiting clients would otherwise send `initial`
-        # prefills at once. A carried-over limit already has its load.
-        first = self._target if start is not None else config.ramp_per_s
+        # A fresh start measures `solo` at solo_level, then ramps up (see _ramp); a
+        # carried-over limit already has its load and keeps it.
+        first = self._target if start is not None else config.solo_level
         self._limit = config.clamp(min(self._target, first))
+        self._measuring_solo = start is None
         self._last_now: float | None = None
         self._elapsed = 1.0  # since the previous sample
-        self._reached_at: float | None = float("-inf")  # None until in_flight <= limit
-        self._busy_samples = 0  # settled busy samples at this level
+        # None until in_flight <= limit; a fresh start holds its first level to measure solo
+        self._reached_at: float | None = None if start is None else float("-inf")
         self._decreased_at = float("-inf")
-        self._last_step = 0  # > 0 while the current level was reached by a probe
-        self._reprobe_step = 1
+        self._raised_at = float("-inf")  # when a ramp last granted permits
         self._ceiling: int | None = None
         self._ceiling_until = float("-inf")
-        self._levels: dict[int, _Level] = {}
-        self._resume_at: int | None = None  # set while measuring a reference level
-        self._measured = (0, float("-inf"))  # (level measured from, when)
+        self._queueing_since: float | None = None  # engine_waiting > tolerance since
+        self._recent: deque[tuple[float, int]] = deque()  # (now, in_flight)
+        self.solo: float | None = None  # s per token of a stream at low concurrency ...
+        self._solo_c = 0.0  # ... namely at this many running
+        self._solo_measured = False  # False while solo is only an upper bound
+        if solo is not None:
+            self.solo, self._solo_c = solo
+            self._solo_measured = True
+        self.knee: float | None = None  # the smoothed estimate K ...
+        self._knee_is_floor = False  # ... or only a lower bound of the knee
+        self._instant: float | None = None  # this sample's knee estimate, steady or not
+        self._recent_y: deque[tuple[float, float]] = deque()  # (now, y) of steady samples
+        self._stable: deque[tuple[float, float, float]] = deque()  # (now, c, y) when stable
 
     @property
     def limit(self) -> int:
@@ -137,59 +176,211 @@ class KneeLimit:
 
     @property
     def ceiling(self) -> int | None:
-        """The lowest level recently found too high, while it is remembered."""
+        """The lowest concurrency at which the backend recently objected."""
         return self._ceiling
 
     def update(self, sample: Sample) -> int:
         cfg = self._cfg
         now = sample.now
-        # The sampling period paces the ramp; one second until two samples tell.
         self._elapsed = 1.0 if self._last_now is None else now - self._last_now
         self._last_now = now
-        self._forget(now)
+        if self._ceiling is not None and now >= self._ceiling_until:
+            self._ceiling = None
         pressure = self._pressure(sample)
-        if now - self._decreased_at >= cfg.settle_s:
-            vouched = self._vouched(sample, pressure)
-            if vouched < self._limit:
-                return self._decrease(now, vouched, failed=min(self._limit, sample.in_flight))
-        if self._limit < self._target:
-            return self._ramp(now)
+        held = self._held(sample, pressure)
+        self._observe(sample)
+        if held is not None:
+            self._ceiling = held if self._ceiling is None else min(self._ceiling, held)
+            # A breach right after a raise may be the burst of prefills the raise itself
+            # admitted: that ceiling is re-examined sooner.
+            after_raise = now - self._raised_at <= 2 * cfg.settle_s
+            queueing = self._queueing(sample)
+            ttl = cfg.breach_ttl_s if after_raise and not queueing else cfg.ceiling_ttl_s
+            self._ceiling_until = max(self._ceiling_until, now + ttl)
+            if now - self._decreased_at >= cfg.settle_s:
+                cut = (1 - cfg.margin) * held
+                if pressure is not None and pressure > 1:
+                    cut = min(cut, sample.in_flight / pressure)
+                if cut < self._limit:
+                    return self._decrease(now, cut)
+        if self._limit < self._target and not self._measuring_solo:
+            if self._instant is not None and self._limit >= self._instant:
+                self._target = self._limit  # the raise went past the knee: stop it here
+            else:
+                return self._ramp(now)
+        goal = self._goal()
+        if (
+            goal is not None
+            and not (self._knee_is_floor and goal == self.knee)
+            and self._limit > goal * (1 + cfg.deadband)
+            and now - self._decreased_at >= cfg.settle_s
+        ):
+            # The estimate judges what was in flight, so it need not wait for a drain.
+            self._decreased_at = now
+            return self._lower(now, max(goal, self._limit * (1 - cfg.max_step)))
         if not self._settled(sample):
             return self._limit
-        if sample.in_flight < cfg.busy_fraction * self._limit:
-            return self._limit  # not the bottleneck: nothing to learn, nothing to gain
-        judging = cfg.marginal_fraction > 0
-        if judging:
-            self._remember(now, sample.output_tokens_per_s)
-            self._busy_samples += 1
-            if self._busy_samples < cfg.judge_samples:
-                return self._limit
-            if self._resume_at is not None:  # the reference is measured: go back
-                return self._increase(now, self._resume_at - self._limit)
-            worth = self._worth_it()
-            probed, self._last_step = self._last_step, 0  # a probe is judged once
-            if worth is False and probed:
-                return self._decrease(now, self._limit - probed, failed=self._limit)
-            if worth is None and self._may_measure(now, sample.demand):
-                return self._measure(now)
-            if worth is False:
-                return self._limit  # past the knee by stale or unjudged memories: hold
-        headroom = _NO_EVIDENCE_HEADROOM if pressure is None else 1 - pressure
-        if sample.demand <= 0 or headroom < cfg.min_headroom:
-            return self._limit
-        step = self._probe_step(headroom)
-        return self._increase(now, step) if step > 0 else self._limit
+        if self._measuring_solo:
+            if self.solo is None:
+                return self._limit  # hold the first level until a busy window is measured
+            self._measuring_solo = False
+            if self._limit < self._target:
+                return self._ramp(now)
+        busy = sample.in_flight >= cfg.busy_fraction * self._limit
+        if not busy or sample.demand <= 0:
+            return self._limit  # not the bottleneck: nothing to gain
+        if goal is None or not self._solo_measured:
+            if not self._slow_start:
+                return self._limit  # a carried limit is kept until solo is measured
+            return self._raise(now, self._limit * (1 + cfg.max_step))  # slow start
+        if self._limit < goal * (1 - cfg.deadband):
+            return self._raise(now, min(goal, self._limit * (1 + cfg.max_step)))
+        return self._limit
 
-    def _vouched(self, sample: Sample, pressure: float | None) -> float:
-        """The highest concurrency this sample does not object to (rules 1 and 2)."""
-        vouched = float("inf")
+    # -- the knee estimate ---------------------------------------------------
+
+    def _observe(self, sample: Sample) -> None:
+        """Rule 3: fold a steady window into `solo` and the knee estimate."""
+        cfg = self._cfg
+        self._instant = None
+        recent = self._recent
+        recent.append((sample.now, sample.in_flight))
+        horizon = sample.now - cfg.settle_s
+        while len(recent) > 1 and recent[1][0] <= horizon:
+            recent.popleft()  # keep the last sample at or before the horizon
+        if recent[0][0] > horizon + self._elapsed / 2 or len(recent) < 2:
+            return  # not yet a window's worth of history
+        levels = [c for _, c in recent]
+        c = sum(levels) / len(levels)
+        if c < 1 or sample.output_tokens_per_s <= 0:
+            return
+        running = c
+        if self._queueing_since is not None:
+            if sample.now - self._queueing_since < cfg.settle_s:
+                return  # a burst of prefills: the window says little about decoding
+            running = max(1.0, c - (sample.engine_waiting or 0))  # a full KV cache
+        y = running / sample.output_tokens_per_s
+        steady = max(levels) - min(levels) <= cfg.steady_tolerance * c
+        if self._measuring_solo:
+            if steady and c >= cfg.busy_fraction * self._limit:
+                self.solo, self._solo_c = y, running  # the latest busy window there
+                self._solo_measured = True
+            return
+        if self.solo is None:
+            if not steady:
+                return
+            # No low-concurrency window: y is an upper bound of solo, which makes k an
+            # upper bound of the knee. Good enough to lower the limit, not to raise it.
+            self.solo, self._solo_c = y, 0.0
+        k, capped = self._estimate(running, y)
+        # Judges a ramp in progress (c is its mean over the window); a capped k says
+        # only "more than twice as much", no reason to stop.
+        self._instant = None if capped else k
+        if not steady:
+            return
+        if self._queueing_since is None:
+            self._drift(sample.now, c, y)
+        if c <= cfg.solo_level:
+            self.solo, self._solo_c = y, running  # at the first level y is solo itself
+            self._solo_measured = True
+        elif y < self.solo:
+            # Faster than `solo` ever was: a faster backend. y bounds its solo from above.
+            self.solo, self._solo_c = y, 0.0
+            self.knee = None
+        if self.knee is None or self._knee_is_floor:
+            # Until a first real estimate, a capped k ("more than 2 * running") is kept
+            # as a floor of the knee: good for raising, not for lowering.
+            floor = self.knee if self._knee_is_floor and self.knee is not None else 0.0
+            self.knee = max(floor, k) if capped else k
+            self._knee_is_floor = capped
+            return
+        # Quick to believe the knee is lower, slow to believe it is higher; but a
+        # full KV cache holds the oldest requests, the slowest there will be.
+        down = cfg.down_speedup if running == c else cfg.queueing_slowdown
+        tau = cfg.knee_smoothing_s * (1 if k > self.knee else down)
+        self.knee += self._weight(tau) * (k - self.knee)
+
+    def _estimate(self, running: float, y: float) -> tuple[float, bool]:
+        """k from the line through (solo_c, solo) and (running, y); capped or not."""
+        assert self.solo is not None
+        cap = _CAP * running
+        if running <= self._solo_c or y <= self.solo:
+            return cap, True
+        per_seq = (y - self.solo) / (running - self._solo_c)  # b
+        alone = max(self.solo - per_seq * self._solo_c, 0.0)  # a, never below nothing
+        k = max(1.0, alone / per_seq * (1 / self._cfg.marginal_fraction - 1))
+        return (cap, True) if k >= cap else (k, False)
+
+    def _weight(self, tau: float) -> float:
+        return 1.0 if tau <= 0 else 1 - math.exp(-self._elapsed / tau)
+
+    def _drift(self, now: float, c: float, y: float) -> None:
+        """A backend that changed under load: rescale `solo` by what y did.
+
+        Compares a stable stretch of y (settle_s of samples within
+        drift_tolerance / 2 of each other) with the last stable one at about
+        the same c (within steady_tolerance, moved to the current c by the
+        affine model) settle_s to 6 settle_s earlier. Requests age slowly, so y
+        drifts little between the two; a different backend moves it at once and
+        for good. A transient (a burst of prefills after a restart) is not
+        stable and is never compared.
+        """
+        assert self.solo is not None
+        cfg = self._cfg
+        span = cfg.settle_s
+        recent = self._recent_y
+        recent.append((now, y))
+        while recent[0][0] < now - span:
+            recent.popleft()
+        ys = [v for _, v in recent]
+        if now - recent[0][0] < span * 0.8 or max(ys) / min(ys) > 1 + cfg.drift_tolerance / 2:
+            return
+        history = self._stable
+        while history and history[0][0] < now - 6 * span:
+            history.popleft()
+        tol = cfg.steady_tolerance * c
+        previous = [e for e in history if e[0] <= now - span and abs(e[1] - c) <= tol]
+        history.append((now, c, y))
+        if not previous:
+            return
+        _, c_then, y_then = previous[-1]
+        expected = self.solo + max(0.0, y_then - self.solo) * c / c_then
+        ratio = (sum(ys) / len(ys)) / expected
+        if max(ratio, 1 / ratio) - 1 > cfg.drift_tolerance:
+            self.solo *= ratio
+            self.knee = None
+            history.clear()
+
+    def _goal(self) -> float | None:
+        goal = self.knee
+        if self._ceiling is not None:
+            capped = (1 - self._cfg.margin) * self._ceiling
+            goal = capped if goal is None else min(goal, capped)
+        return goal
+
+    # -- objections ------------------------------------------------------------
+
+    def _held(self, sample: Sample, pressure: float | None) -> int | None:
+        """Rule 1: the concurrency this sample says the backend held, if it objects."""
         waiting = sample.engine_waiting
-        if waiting is not None and waiting > self._cfg.engine_waiting_tolerance:
-            vouched = sample.in_flight - waiting
+        # A burst of admissions queues for a few steps, and a ramp admits one burst
+        # after another; a full KV cache queues for good, with no raise to blame.
+        ramping = sample.now - self._raised_at < self._cfg.settle_s
+        if waiting is not None and waiting > self._cfg.engine_waiting_tolerance and not ramping:
+            if self._queueing_since is None:
+                self._queueing_since = sample.now
+            if sample.now - self._queueing_since >= self._cfg.settle_s:
+                return max(1, sample.in_flight - waiting)
+        else:
+            self._queueing_since = None
         if pressure is not None and pressure > 1:
-            factor = max(_MAX_CUT, min(self._cfg.backoff, 1 / pressure))
-            vouched = min(vouched, sample.in_flight * factor)
-        return vouched
+            return max(1, sample.in_flight)
+        return None
+
+    def _queueing(self, sample: Sample) -> bool:
+        """The engine has queued for settle_s: its KV cache is full."""
+        since = self._queueing_since
+        return since is not None and sample.now - since >= self._cfg.settle_s
 
     def _pressure(self, sample: Sample) -> float | None:
         ratios = [
@@ -202,6 +393,8 @@ class KneeLimit:
         ]
         return max(ratios) if ratios else None
 
+    # -- moving the limit ----------------------------------------------------
+
     def _settled(self, sample: Sample) -> bool:
         if self._reached_at is None:
             if sample.in_flight > self._limit:
@@ -209,94 +402,39 @@ class KneeLimit:
             self._reached_at = sample.now
         return sample.now - self._reached_at >= self._cfg.settle_s
 
-    def _forget(self, now: float) -> None:
-        if self._ceiling is not None and now >= self._ceiling_until:
-            self._ceiling = None
-        ttl = self._cfg.memory_ttl_s
-        for x in [x for x, level in self._levels.items() if now - level.at > ttl]:
-            del self._levels[x]
-
-    def _remember(self, now: float, tokens_per_s: float) -> None:
-        known = self._levels.get(self._limit)
-        if known is not None and known.tokens_per_s > 0:
-            if abs(tokens_per_s / known.tokens_per_s - 1) > self._cfg.drift_tolerance:
-                self._levels.clear()  # the backend changed: every level is suspect
-                known = None
-        if known is None:
-            self._levels[self._limit] = _Level(tokens_per_s, now)
-        else:
-            known.tokens_per_s += _SMOOTHING * (tokens_per_s - known.tokens_per_s)
-            known.at = now
-
-    def _reach(self) -> float:
-        return self._limit * (1 - self._cfg.marginal_span)
-
-    def _worth_it(self) -> bool | None:
-        """Rule 4's verdict on the current level; None without a reference level."""
-        ref = max((x for x in self._levels if x <= self._reach()), default=None)
-        if ref is None:
-            return None
-        here = self._levels[self._limit].tokens_per_s
-        ref_tput = self._levels[ref].tokens_per_s
-        gain_per_permit = (here - ref_tput) / (self._limit - ref)
-        return gain_per_permit >= self._cfg.marginal_fraction * ref_tput / ref
-
-    def _probe_step(self, headroom: float) -> int:
-        if self._ceiling is not None:
-            room = self._ceiling - 1 - self._limit
-            return min(room, max(1, int(room * headroom / 2)))
-        growth = self._limit * self._cfg.probe_growth
-        if self._slow_start:
-            return max(1, round(growth * headroom))
-        step = min(self._reprobe_step, round(growth * headroom))
-        self._reprobe_step *= 2
-        return max(1, step)
-
     def _ramp(self, now: float) -> int:
         """Move towards the target by ramp_per_s: N permits granted at once would be N
         prefills queued behind each other, a TTFT spike the raise itself caused."""
         allowance = max(1, int(self._cfg.ramp_per_s * self._elapsed))
         self._limit = min(self._target, self._limit + allowance)
+        self._raised_at = now
         if self._limit == self._target:
             self._reached_at = now
         return self._limit
 
-    def _set(self, limit: int, *, reached_at: float | None) -> int:
-        self._limit = self._target = limit
-        self._reached_at = reached_at
-        self._busy_samples = 0
-        return limit
-
-    def _may_measure(self, now: float, demand: int) -> bool:
-        level, at = self._measured
-        return (
-            demand > 0  # so that the lower level is busy and can be measured
-            and self._cfg.min <= int(self._reach()) < self._limit
-            and (level != self._limit or now - at >= self._cfg.ceiling_ttl_s)
-        )
-
-    def _measure(self, now: float) -> int:
-        self._measured = (self._limit, now)
-        self._resume_at = self._limit
-        return self._set(int(self._reach()), reached_at=None)
-
-    def _increase(self, now: float, step: int) -> int:
-        self._resume_at = None
-        new = self._cfg.clamp(self._limit + step)
-        if new == self._limit:
-            return new
-        self._last_step = new - self._limit
-        self._set(self._limit, reached_at=None)
+    def _raise(self, now: float, to: float) -> int:
+        new = self._cfg.clamp(max(self._limit + 1, int(to)))
+        if new <= self._limit:
+            return self._limit
         self._target = new
+        self._reached_at = None
         return self._ramp(now)
 
-    def _decrease(self, now: float, target: float, *, failed: int) -> int:
-        self._slow_start = False
-        self._resume_at = None
-        self._ceiling = max(failed, 1)
-        self._ceiling_until = now + self._cfg.ceiling_ttl_s
-        self._last_step = 0
-        self._reprobe_step = 1
+    def _lower(self, now: float, to: float) -> int:
+        del now
+        new = self._cfg.clamp(min(self._limit - 1, math.ceil(to)))
+        self._limit = self._target = new
+        self._reached_at = None
+        return new
+
+    @property
+    def learned(self) -> tuple[float, float] | None:
+        """What a successor should start from on reload: (solo, at running)."""
+        if self.solo is None or not self._solo_measured:
+            return None
+        return self.solo, self._solo_c
+
+    def _decrease(self, now: float, target: float) -> int:
         self._decreased_at = now
-        cut = self._cfg.clamp(max(self._limit * _MAX_CUT, min(self._limit - 1, target)))
-        return self._set(cut, reached_at=None)
+        self._measuring_solo = False
+        return self._lower(now, max(self._limit * _MAX_CUT, target))

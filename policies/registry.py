@@ -7,10 +7,12 @@ a config model and a class, plus one row in ``_BUILDERS``.
 Reload semantics (``reconfigure``): the replacement controller is built from
 the new config and *starts at the old controller's limit, clamped into the new
 [min, max]*; an adaptive controller resumes carefully from there (the knee
-controller skips slow start). A static controller takes its new configured
-value instead. Permits already held and requests already queued are untouched:
-they live in admission, not here; a lower limit only stops new admissions
-until in-flight work drains below it.
+controller skips its start-up ramp and keeps what it measured of the backend,
+its solo decode speed, when the old controller was a knee controller too). A
+static controller takes its new configured value instead. Permits already
+held and requests already queued are untouched: they live in admission, not
+here; a lower limit only stops new admissions until in-flight work drains
+below it.
 """
 
 from __future__ import annotations
@@ -51,4 +53,7 @@ def build_controller(config: LimitConfig, *, start: int | None = None) -> LimitC
 
 def reconfigure(old: LimitController, new_config: LimitConfig) -> LimitController:
     """The controller to use after a reload; see the module doc for the semantics."""
-    return build_controller(new_config, start=new_config.clamp(old.limit))
+    start = new_config.clamp(old.limit)
+    if isinstance(new_config, KneeLimitConfig) and isinstance(old, KneeLimit):
+        return KneeLimit(new_config, start, solo=old.learned)
+    return build_controller(new_config, start=start)

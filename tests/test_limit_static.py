@@ -59,7 +59,7 @@ def test_config_embeds_in_settings_and_is_frozen() -> None:
         {"kind": "knee", "min": 10, "initial": 5},
         {"kind": "knee", "max": 4, "initial": 8},
         {"kind": "static", "min": 0},
-        {"kind": "knee", "backoff": 1.0},
+        {"kind": "knee", "margin": 1.0},
         {"kind": "knee", "typo_knob": 1},
     ],
 )

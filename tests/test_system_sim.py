@@ -1,0 +1,128 @@
+"""The whole system in virtual time: short versions of issue 6's acceptance runs.
+
+The full runs and every figure: ``python -m backends.sim.system.acceptance``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.sim.system import (
+    BackendSpec,
+    ClosedLoop,
+    Poisson,
+    RoundRobin,
+    Shape,
+    SimBackend,
+    SimRequest,
+    SystemSim,
+    always,
+)
+from backends.sim.system.acceptance import BAND, CLIENTS, PROFILE, SHAPE, SLO_S, SWING, knee
+from backends.sim.system.report import limit_trace, outcome, settling
+from policies.static import StaticLimitConfig
+
+
+def closed(initial: int, seconds: float, *, seed: int = 0, profile: str = PROFILE) -> SystemSim:
+    sim = SystemSim([BackendSpec("b0", profile)], limit=knee(initial), seed=seed)
+    ClosedLoop(sim, CLIENTS, SHAPE, start_spread_s=2.0, seed=seed)
+    sim.run(seconds)
+    return sim
+
+
+@pytest.mark.parametrize("initial", [4, 128])
+def test_the_knee_settles_within_120_s_in_the_band_from_either_side(initial: int) -> None:
+    trace = limit_trace(closed(initial, 300))
+    s = settling(trace, *BAND, SWING)
+    assert s.at is not None and s.at <= 120
+    assert BAND[0] <= s.low and s.high <= BAND[1]
+    assert s.swing <= SWING
+
+
+def test_overload_keeps_admitted_ttft_within_the_slo_and_sheds_at_the_deadline() -> None:
+    def run(admitted_by_knee: bool) -> SystemSim:
+        limit = knee(4) if admitted_by_knee else StaticLimitConfig(initial=10_000, max=10_000)
+        admits = None if admitted_by_knee else always
+        sim = SystemSim(
+            [BackendSpec("b0", PROFILE)],
+            limit=limit,
+            **({} if admits is None else {"admits": admits}),
+        )
+        Poisson(sim, 0.8, SHAPE, seed=3)  # ~2x what the knee serves (~1,150 tok/s)
+        sim.run(480)
+        return sim
+
+    with_knee = outcome(run(True), 240, 480)
+    assert with_knee.ttft_p95 is not None and with_knee.ttft_p95 <= SLO_S
+    assert with_knee.shed > 0.25 * with_knee.arrived  # overload: a good part is shed ...
+    assert with_knee.shed_overshoot_max is not None
+    assert with_knee.shed_overshoot_max <= 0.050  # ... each at its queue deadline
+    assert with_knee.wait_p95 is not None and with_knee.wait_p95 <= 30.0
+    straight = outcome(run(False), 240, 480)
+    assert straight.shed == 0
+    assert straight.ttft_p95 is not None and straight.ttft_p95 > 20 * SLO_S  # today
+    assert with_knee.goodput > 2 * straight.goodput
+
+
+def test_the_limit_follows_a_backend_redeployed_on_a_slower_gpu() -> None:
+    new = "qwen3-4b/l4/bf16/vllm"
+    fresh = limit_trace(closed(4, 200, profile=new))
+    level = sorted(fresh[120:])[len(fresh[120:]) // 2]
+    sim = SystemSim([BackendSpec("b0", PROFILE)], limit=knee(4))
+    ClosedLoop(sim, CLIENTS, SHAPE, start_spread_s=2.0)
+    sim.at(200, lambda: sim.replace_engine("b0", new))
+    sim.run(400)
+    trace = limit_trace(sim)
+    assert trace[190] >= 2 * level  # the L40S carried far more
+    within = trace[200 + 120 : 200 + 190]  # from 120 s after the change on
+    assert all((1 - SWING) * level <= x <= (1 + SWING) * level for x in within)
+
+
+def test_a_run_is_deterministic_for_its_seed() -> None:
+    a, b = closed(4, 120, seed=5), closed(4, 120, seed=5)
+    assert limit_trace(a) == limit_trace(b)
+    assert [r.first_token for r in a.requests] == [r.first_token for r in b.requests]
+    assert limit_trace(a) != limit_trace(closed(4, 120, seed=6))
+
+
+def test_routing_and_admission_predicates_plug_in() -> None:
+    budget = 4 * (1024 + 256)  # tokens in flight per backend, as token-budget admission
+
+    def within_budget(backend: SimBackend, request: SimRequest) -> bool:
+        return backend.tokens_in_flight + request.prompt_tokens + request.max_tokens <= budget
+
+    seen: list[int] = []
+    sim = SystemSim(
+        [BackendSpec("a", PROFILE), BackendSpec("b", PROFILE)],
+        limit=StaticLimitConfig(initial=64),
+        router=RoundRobin(),
+        admits=within_budget,
+    )
+    ClosedLoop(sim, 32, Shape(1024, 256))
+
+    def check() -> None:
+        seen.extend(b.tokens_in_flight for b in sim.backends)
+        sim.at(sim.now + 0.5, check)
+
+    sim.at(0.1, check)
+    sim.run(60)
+    assert max(seen) <= budget  # the predicate held every admission back
+    served = {r.backend.name for r in sim.requests if r.backend is not None}
+    assert served == {"a", "b"}
+    assert sum(r.status == "ok" for r in sim.requests) > 100
+
+
+def test_nothing_is_left_held_or_queued_after_cancellations_and_a_redeploy() -> None:
+    sim = SystemSim([BackendSpec("b0", PROFILE)], limit=StaticLimitConfig(initial=8))
+    requests = [sim.submit(1024, 64) for _ in range(20)]  # 8 admitted, 12 queued
+    assert sim.queued() == 12
+    sim.run(0.5)
+    for request in requests[::3]:
+        sim.cancel(request)  # in flight and queued alike
+    sim.at(1.0, lambda: sim.replace_engine("b0", "qwen3-4b/l4/bf16/vllm"))
+    sim.run(120)
+    replica = sim.backends[0].replica
+    assert replica.in_flight == 0 and sim.queued() == 0
+    assert not sim.backends[0].running and sim.backends[0].tokens_in_flight == 0
+    assert all(r.status is not None for r in requests)
+    assert {r.status for r in requests} >= {"ok", "cancelled", "failed"}
