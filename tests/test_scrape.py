@@ -48,7 +48,7 @@ def test_sglang_names() -> None:
 
 
 def test_missing_gauges_are_none_and_garbage_is_skipped() -> None:
-    text = "vllm:num_requests_running{engine=\"0\"} not-a-number\nvllm:num_requests_waiting 2\n"
+    text = 'vllm:num_requests_running{engine="0"} not-a-number\nvllm:num_requests_waiting 2\n'
     gauges = parse_engine_gauges(text, ENGINE_METRICS["vllm"], now=0.0)
     assert gauges.running is None and gauges.waiting == 2.0 and gauges.kv_usage is None
 
