@@ -32,6 +32,7 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
 class WindowStats:
     completed: int
     ttft_samples: int
+    itl_samples: int
     ttft_p50: float | None
     ttft_p95: float | None
     ttft_p99: float | None
@@ -132,12 +133,14 @@ class RollingWindow:
         self._evict(now)
         ttft = sorted(v for _, v in self._ttft)
         itl_p50, itl_p95, itl_p99 = _bucket_percentiles((b for _, b in self._itl), (50, 95, 99))
+        itl_samples = sum(b.total for _, b in self._itl)
         # A window younger than its span divides by its age, not the span.
         age = now - self._created if self._created is not None else 0.0
         elapsed = min(self.span_s, age) if age > 0 else self.span_s
         return WindowStats(
             completed=len(self._completed),
             ttft_samples=len(ttft),
+            itl_samples=itl_samples,
             ttft_p50=percentile(ttft, 50),
             ttft_p95=percentile(ttft, 95),
             ttft_p99=percentile(ttft, 99),

@@ -47,6 +47,7 @@ from gateway.settings import Settings
 
 MODEL = "Qwen/Qwen3-4B"
 _OUTPUT = re.compile(rb'"content":"[^"]')
+QUEUE_WAIT_S = 30.0  # the pool's default queue deadline, in simulated seconds
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -112,7 +113,7 @@ def gateway_config(sim_url: str, speed: float, initial: int, port: int) -> dict:
         "backends": [
             {"name": "sim-0", "url": sim_url, "pool": "short", "models": [MODEL], "limit": limit}
         ],
-        "pools": {"short": {"max_queue_depth": 256, "max_queue_wait_s": 30 / k}},
+        "pools": {"short": {"max_queue_depth": 256, "max_queue_wait_s": QUEUE_WAIT_S / k}},
         "admission": {"control_interval_s": 1 / k},
         "measurement": {"window_s": 5 / k, "scrape_interval_s": 1 / k, "scrape_staleness_s": 5 / k},
         "health": {"interval_s": 2 / k},
@@ -131,6 +132,8 @@ class Measured:
     shed: int = 0
     errors: int = 0
     statuses: Counter[int] = field(default_factory=Counter)
+    shed_late: list[tuple[float, float]] = field(default_factory=list)  # (sent, wall s late)
+    client_lag: float = 0.0  # worst stall of this process's own event loop (wall s)
     limits: list[tuple[float, int, int, int]] = field(default_factory=list)
     windows: list[tuple[float, float | None, float | None, float | None, float]] = field(
         default_factory=list
@@ -146,8 +149,12 @@ async def client_loop(
             async with http.stream("POST", url, json=body) as r:
                 m.statuses[r.status_code] += 1
                 if r.status_code != 200:
-                    m.shed += r.status_code == 429
-                    await r.aread()
+                    body_bytes = await r.aread()
+                    if r.status_code == 429:
+                        m.shed += 1
+                        if b"queue_timeout" in body_bytes:  # answered when, past its deadline?
+                            late = time.monotonic() - sent - QUEUE_WAIT_S / speed
+                            m.shed_late.append(((sent - t0) * speed, late))
                     await asyncio.sleep(1 / speed)
                     continue
                 headers = time.monotonic()
@@ -164,6 +171,14 @@ async def client_loop(
         except httpx.HTTPError:
             m.errors += 1
             await asyncio.sleep(1 / speed)
+
+
+async def heartbeat(m: Measured, stop: float) -> None:
+    """This client's own stalls: a late 429 may be late here, not in the gateway."""
+    while time.monotonic() < stop:
+        before = time.monotonic()
+        await asyncio.sleep(0.01)
+        m.client_lag = max(m.client_lag, time.monotonic() - before - 0.01)
 
 
 async def poll_state(url: str, m: Measured, speed: float, stop: float, t0: float) -> None:
@@ -202,7 +217,7 @@ async def drive(gateway: str, speed: float, seconds: float) -> Measured:
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
         url = gateway + "/v1/chat/completions"
         tasks = [client_loop(http, url, body, m, speed, stop, t0) for _ in range(CLIENTS)]
-        await asyncio.gather(poll_state(gateway, m, speed, stop, t0), *tasks)
+        await asyncio.gather(heartbeat(m, stop), poll_state(gateway, m, speed, stop, t0), *tasks)
     return m
 
 
@@ -265,9 +280,14 @@ def report(args: argparse.Namespace, m: Measured, sim: SystemSim, wall: float) -
     http_wait = pct([v for t, v in m.queue_waits if t >= half], 95)
     o = outcome(sim, half, seconds)
     print(f"# HTTP path vs virtual time: {PROFILE}, speed {args.speed:g}x, from {args.initial}\n")
+    lates = [v * 1000 for _, v in m.shed_late]
     print(
         f"({wall:.0f} s of wall time for {seconds:.0f} simulated s; shed {m.shed}, "
-        f"client errors {m.errors})\n"
+        f"client errors {m.errors})\n\nQueue timeouts answered past their deadline (wall ms, "
+        f"from the client's send): p50 {fmt(pct(lates, 50), '', 0)}, "
+        f"p95 {fmt(pct(lates, 95), '', 0)}, max {fmt(max(lates, default=None), '', 0)} "
+        f"(of {len(lates)}); this client's own event loop stalled up to "
+        f"{m.client_lag * 1000:,.0f} ms\n"
     )
     print("| | settled at | median | band after | p95 TTFT (2nd half) | p95 queue wait |")
     print("|---|---:|---:|---|---:|---:|")
