@@ -87,9 +87,20 @@ def real_vllm() -> Iterator[RealVllm]:
     # pytest's main thread lives as long as the session: safe for die_with_parent.
     server = vllm_server.start(die_with_parent=True)
     try:
-        yield RealVllm(server.root_url, server.pid)
+        engine = RealVllm(server.root_url, server.pid)
+        warm_up(engine)
+        yield engine
     finally:
         server.stop()
+
+
+def warm_up(engine: RealVllm) -> None:
+    """A fresh engine's first requests are slow (lazy initialisation in its workers), which
+    skews whichever test happens to run first; a few throwaway requests absorb that."""
+    body = {"model": engine.model, "prompt": "warm", "max_tokens": 64, "ignore_eos": True}
+    with httpx.Client(timeout=SLOW, trust_env=False) as client:
+        for _ in range(3):
+            client.post(engine.root_url + "/v1/completions", json=body).raise_for_status()
 
 
 # -- kneecap in front of the real engine ----------------------------------------

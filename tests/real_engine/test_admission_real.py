@@ -33,14 +33,14 @@ from tests.real_engine.conftest import (
 
 LIMIT = 2
 CLIENTS = 8
-TOKENS = 256  # per request: a few hundred ms each on the CPU, so the 8 overlap
+TOKENS = 768  # per request: about a second each on the CPU, so the 8 overlap
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Count to ten"}]
 HOLD = 2000  # tokens: seconds of generation, for the streams that hold permits and queue
 QUEUED = 2
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"  # exactly: not vllm:num_requests_waiting_by_reason
 SHORT_WAIT = {"X-Kneecap-Max-Queue-Wait": "0.2"}
-ATTEMPTS = 3
+ATTEMPTS = 5
 
 
 @pytest.fixture(scope="module")
