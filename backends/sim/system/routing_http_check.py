@@ -28,11 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +54,8 @@ from backends.sim.system.routing_acceptance import (
 )
 from backends.sim.system.routing_seams import KV_FRACTION, LONG_FROM
 from backends.sim.tokenizer import CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_PER_REPLY, text_of_tokens
+from gateway.perf.procs import Proc, free_port
+from gateway.perf.procs import start as start_process
 
 MODEL = "Qwen/Qwen3-4B"
 CAPACITY = 3.11  # req/s, the virtual-time sweep's median (docs/routing-acceptance.md)
@@ -74,49 +72,14 @@ VIRTUAL = {
 }  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Proc:
-    process: subprocess.Popen[bytes]
-    url: str
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-
-
-def start(args: list[str], port: int, log: Path, procs: list[Proc]) -> Proc:
-    handle = log.open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", *args],
-        stdout=handle,
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-        env={**os.environ},
+def start(args: list[str], port: int, log: Path, procs: list[Proc] | None = None) -> Proc:
+    """``kneecap ARGS`` on 127.0.0.1:port, ready (bounded wait); registered in ``procs``."""
+    proc = start_process(
+        args[0], ["gateway.cli", *args], f"http://127.0.0.1:{port}", "/health", log, core=None
     )
-    proc = Proc(process, f"http://127.0.0.1:{port}")
-    procs.append(proc)  # registered first: stopped by the caller whatever happens
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # a bounded wait for readiness
-        if process.poll() is not None:
-            raise RuntimeError(f"{args[0]} exited:\n{log.read_text(errors='replace')}")
-        try:
-            if httpx.get(proc.url + "/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{args[0]} did not become ready:\n{log.read_text(errors='replace')}")
+    if procs is not None:
+        procs.append(proc)
+    return proc
 
 
 def _common(port: int, speed: float) -> dict:
