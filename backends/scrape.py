@@ -116,7 +116,6 @@ async def scrape_one(client: httpx.AsyncClient, replica: Replica, timeout_s: flo
 async def scrape_loop(
     client: httpx.AsyncClient,
     current: Callable[[], tuple[BackendSet, float]],
-    after_round: Callable[[], None],
 ) -> None:
     """Every ``interval`` seconds (read from the live config), scrape all replicas."""
     while True:
@@ -124,5 +123,4 @@ async def scrape_loop(
         async with anyio.create_task_group() as group:
             for replica in backends.replicas:
                 group.start_soon(scrape_one, client, replica, interval)
-        after_round()
         await anyio.sleep(interval)

@@ -122,7 +122,7 @@ def create_app(
         await probe_all(client, runtime.current.backends, settings.health, runtime.notify)
         async with anyio.create_task_group() as group:
             group.start_soon(prober.run)
-            group.start_soon(scrape_loop, client, scrape_view, _no_op)
+            group.start_soon(scrape_loop, client, scrape_view)
             group.start_soon(control_loop, runtime)
             if settings.watch_config and runtime.config_path:
                 group.start_soon(watch_config_file, runtime)
@@ -142,10 +142,6 @@ def create_app(
         exception_handlers={GatewayError: _gateway_error, HTTPException: _http_error},
         lifespan=lifespan,
     )
-
-
-def _no_op() -> None:
-    return None
 
 
 async def control_loop(runtime: Runtime) -> None:
