@@ -147,7 +147,12 @@ def test_client_disconnect_stops_generation(client: openai.OpenAI, real_vllm: Re
     with stream:
         for _, _chunk in zip(range(5), stream, strict=False):
             pass
-        busy = real_vllm.metrics()
-        assert busy["vllm:num_requests_running"] == 1
-        assert busy["vllm:kv_cache_usage_perc"] > 0
+
+        # The engine publishes its gauges between steps: poll (bounded) rather than read once.
+        def busy() -> bool:
+            gauges = real_vllm.metrics()
+            running, kv = gauges["vllm:num_requests_running"], gauges["vllm:kv_cache_usage_perc"]
+            return running == 1 and kv > 0
+
+        assert wait_until(busy, 10)
     assert wait_until(lambda: real_vllm.metrics()["vllm:num_requests_running"] == 0, 30)
