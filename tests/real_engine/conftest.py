@@ -42,6 +42,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _HERE in item.path.resolve().parents:
             item.add_marker(pytest.mark.real_engine)
+            # The CPU engine takes both cores while it decodes and publishes its gauges
+            # between steps, so a check that must catch it busy can miss on any one run;
+            # a rerun (same assertions) tells that apart from a broken gateway, which
+            # fails every time.
+            item.add_marker(pytest.mark.flaky(reruns=2))
 
 
 @dataclass(frozen=True)
