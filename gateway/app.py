@@ -22,6 +22,7 @@ from backends.health import HealthProber, probe_all
 from backends.scrape import scrape_loop
 from gateway.config_watch import watch_config_file
 from gateway.errors import GatewayError, NotFound, error_body, openai_error_response
+from gateway.front import Front
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestIdMiddleware
 from gateway.recording import Recorder
@@ -91,7 +92,7 @@ def create_app(
     *,
     config_path: str | Path | None = None,
     sim_urls: Mapping[str, str] | None = None,
-) -> Starlette:
+) -> Front:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Runtime]]:
         transport = build_transport(settings)
@@ -136,11 +137,13 @@ def create_app(
                 with anyio.CancelScope(shield=True):
                     await client.aclose()
 
-    return Starlette(
-        routes=ROUTES,
-        middleware=[Middleware(RequestIdMiddleware)],
-        exception_handlers={GatewayError: _gateway_error, HTTPException: _http_error},
-        lifespan=lifespan,
+    return Front(
+        Starlette(
+            routes=ROUTES,
+            middleware=[Middleware(RequestIdMiddleware)],
+            exception_handlers={GatewayError: _gateway_error, HTTPException: _http_error},
+            lifespan=lifespan,
+        )
     )
 
 

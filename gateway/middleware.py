@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Awaitable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-REQUEST_ID_SCOPE_KEY = "kneecap.request_id"
-# When the request reached the gateway (perf_counter): TTFT and e2e start here.
-RECEIVED_SCOPE_KEY = "kneecap.received"
-
 
 class RequestIdMiddleware:
-    """Propagates the client's ``X-Request-ID`` or makes one, and returns it."""
+    """Propagates the client's ``X-Request-ID`` or makes one, and returns it (the proxied
+    endpoints do the same in ``gateway/front.py``)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        received = time.perf_counter()
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -30,8 +25,6 @@ class RequestIdMiddleware:
                 request_id = value.decode("latin-1")[:128]
                 break
         request_id = request_id or uuid.uuid4().hex
-        scope[REQUEST_ID_SCOPE_KEY] = request_id
-        scope[RECEIVED_SCOPE_KEY] = received
         encoded = request_id.encode("latin-1")
 
         # A plain function handing back send's awaitable: no coroutine of its own per

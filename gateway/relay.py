@@ -1,10 +1,12 @@
 """Upstream → client, byte for byte, timed on the way.
 
-``StreamRelay`` is a pure ASGI response: it races the upstream body against the
-client's disconnect in one task group (as Starlette's StreamingResponse does),
-so a client that goes away closes the upstream request at once, and it owns
-the request's lease until the last byte: the permit is released exactly once,
-in ``finally``, whatever ended the stream.
+``StreamRelay`` is a pure ASGI response. It owns the request's lease until the
+last byte: the permit is released exactly once, in ``finally``, whatever ended
+the stream. A client that goes away is noticed by the request's
+:class:`~gateway.disconnect.DisconnectWatch`, which cancels the task running
+the relay; the cancellation lands in the upstream read or the client write,
+and ``finally`` closes the upstream request and records the stream as
+``client_closed``.
 """
 
 from __future__ import annotations
@@ -88,24 +90,13 @@ class StreamRelay:
                     "headers": response_headers(self.upstream, self.headers),
                 }
             )
-            async with anyio.create_task_group() as group:
-                group.start_soon(self._watch_disconnect, receive, group.cancel_scope)
-                await self._pump(send)
-                group.cancel_scope.cancel()
+            await self._pump(send)
         except OSError:
             pass  # ASGI ≥ 2.4: a send to a closed client
         finally:
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
                 self.finish(self._end or end)
-
-    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if self._end is None:
-                    scope.cancel()
-                return
 
     async def _pump(self, send: Send) -> None:
         meter = self.meter

@@ -1,11 +1,9 @@
-"""Thin HTTP handlers: parse → check → hand to the proxy. Errors are raised, rendered once."""
+"""The endpoints besides the proxied ones (those are in ``gateway/front.py``). Errors are
+raised, rendered once."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
-from collections.abc import Coroutine
 from typing import Any
 
 from starlette.requests import Request
@@ -13,133 +11,20 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from backends.replica import Replica
-from gateway.errors import InvalidRequest, PayloadTooLarge, Unauthorized
+from gateway.errors import InvalidRequest, Unauthorized
+from gateway.front import PROXIED_PATHS, ProxiedEndpoint, bearer, client_priority
 from gateway.metrics import render
-from gateway.middleware import RECEIVED_SCOPE_KEY, REQUEST_ID_SCOPE_KEY
-from gateway.proxy import ProxyRequest, proxy
-from gateway.relay import StreamRelay
 from gateway.routing import token_limit_of
 from gateway.runtime import Runtime
 from gateway.settings import Settings
-
-# The field each endpoint cannot do without, besides `model`.
-REQUIRED_FIELD = {
-    "/v1/chat/completions": "messages",
-    "/v1/completions": "prompt",
-    "/v1/embeddings": "input",
-}
 
 
 def runtime_of(request: Request) -> Runtime:
     return request.state.runtime
 
 
-def bearer(request: Request) -> str | None:
-    value = request.headers.get("authorization", "")
-    scheme, _, token = value.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
-
-
 def require_client_key(request: Request) -> str:
-    """The caller's priority class; 401 unless the key is accepted."""
-    priority = runtime_of(request).current.client_priority(bearer(request))
-    if priority is None:
-        raise Unauthorized("Incorrect or missing API key.")
-    return priority
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
-    try:
-        payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(payload, dict):
-        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    for field in ("model", REQUIRED_FIELD[endpoint]):
-        if payload.get(field) in (None, "", []):
-            raise InvalidRequest(
-                f"you must provide the `{field}` parameter",
-                param=field,
-                code="missing_required_parameter",
-            )
-    if not isinstance(payload["model"], str):
-        raise InvalidRequest("`model` must be a string", param="model", code="invalid_type")
-    if endpoint == "/v1/chat/completions" and not isinstance(payload["messages"], list):
-        raise InvalidRequest("`messages` must be an array", param="messages", code="invalid_type")
-    return payload
-
-
-async def proxied(request: Request) -> Any:
-    started = request.scope.get(RECEIVED_SCOPE_KEY) or time.perf_counter()
-    key_priority = require_client_key(request)
-    runtime = runtime_of(request)
-    endpoint = request.scope["path"]  # request.url would build a whole URL object
-    body = await read_body(request, runtime.current.settings.max_body_bytes)
-    payload = parse_payload(body, endpoint)
-    proxy_request = ProxyRequest(
-        endpoint=endpoint,
-        payload=payload,
-        body=body,
-        headers=request.headers,
-        request_id=request.scope.get(REQUEST_ID_SCOPE_KEY, ""),
-        started=started,
-        key_priority=key_priority,
-    )
-    return await until_client_leaves(request, proxy(runtime, proxy_request))
-
-
-async def until_client_leaves(
-    request: Request, work: Coroutine[Any, Any, Response | StreamRelay]
-) -> Response | StreamRelay:
-    """Run ``work`` unless the client disconnects first (e.g. while queued).
-
-    uvicorn does not cancel a handler whose client went away; without this a
-    request waiting for admission would hold its queue place until its deadline,
-    and a non-streamed request would keep its engine busy. A watcher task
-    cancels this (the handler's) task when the disconnect arrives; the
-    cancellation lands inside ``work``, whose own cleanup releases what it
-    holds. (An anyio task group here cost half of a short request's CPU.)
-    Once ``work`` returns, the relay watches for disconnects itself.
-    """
-    handler = asyncio.current_task()
-    assert handler is not None
-    state = {"left": False, "done": False}
-
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                if not state["done"]:
-                    state["left"] = True
-                    handler.cancel()
-                return
-
-    watcher = asyncio.get_running_loop().create_task(watch())
-    try:
-        result = await work
-        state["done"] = True
-        return result
-    except asyncio.CancelledError:
-        if not state["left"]:
-            raise
-        handler.uncancel()
-        return Response(status_code=499)  # nobody is listening any more
-    finally:
-        watcher.cancel()
+    return client_priority(runtime_of(request), request.headers)
 
 
 async def list_models(request: Request) -> Response:
@@ -161,7 +46,7 @@ async def ready(request: Request) -> Response:
 
 
 def require_admin(request: Request) -> None:
-    if not runtime_of(request).current.admin_ok(bearer(request)):
+    if not runtime_of(request).current.admin_ok(bearer(request.headers)):
         raise Unauthorized("Incorrect or missing admin token.")
 
 
@@ -229,9 +114,7 @@ async def metrics(request: Request) -> Response:
 
 
 ROUTES = [
-    Route("/v1/chat/completions", proxied, methods=["POST"]),
-    Route("/v1/completions", proxied, methods=["POST"]),
-    Route("/v1/embeddings", proxied, methods=["POST"]),
+    *(Route(path, ProxiedEndpoint(), methods=["POST"]) for path in sorted(PROXIED_PATHS)),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/ready", ready, methods=["GET"]),

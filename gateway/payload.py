@@ -1,0 +1,36 @@
+"""A proxied request's body: JSON, an object, with the fields its endpoint cannot do without."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.errors import InvalidRequest
+
+# The field each endpoint cannot do without, besides `model`.
+REQUIRED_FIELD = {
+    "/v1/chat/completions": "messages",
+    "/v1/completions": "prompt",
+    "/v1/embeddings": "input",
+}
+
+
+def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(payload, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    for field in ("model", REQUIRED_FIELD[endpoint]):
+        if payload.get(field) in (None, "", []):
+            raise InvalidRequest(
+                f"you must provide the `{field}` parameter",
+                param=field,
+                code="missing_required_parameter",
+            )
+    if not isinstance(payload["model"], str):
+        raise InvalidRequest("`model` must be a string", param="model", code="invalid_type")
+    if endpoint == "/v1/chat/completions" and not isinstance(payload["messages"], list):
+        raise InvalidRequest("`messages` must be an array", param="messages", code="invalid_type")
+    return payload
