@@ -15,6 +15,7 @@ from gateway.settings import ConfigError, Settings, load_settings
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
+    from gateway.protocol import GatewayProtocol
     from gateway.serving import build_embedded_sims, run_servers, server_config
 
     try:
@@ -26,7 +27,16 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else settings.listen.port
     sims = build_embedded_sims(settings.backends)
     app = create_app(settings, config_path=args.config, sim_urls={s.name: s.url for s in sims})
-    gateway = uvicorn.Server(server_config(app, host, port, log_level=args.log_level))
+    gateway = uvicorn.Server(
+        server_config(
+            app,
+            host,
+            port,
+            log_level=args.log_level,
+            http=GatewayProtocol,  # stamps each request's arrival: TTFT starts there
+            proxy_headers=False,  # the gateway never uses the client's address
+        )
+    )
     _print_banner(settings, host, port, sims)
     run_servers(gateway, sims)
     return 0

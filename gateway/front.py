@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Mapping
 
 from starlette.datastructures import Headers
@@ -23,7 +22,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.disconnect import DisconnectWatch
 from gateway.errors import GatewayError, PayloadTooLarge, Unauthorized, openai_error_response
+from gateway.middleware import new_request_id
 from gateway.payload import REQUIRED_FIELD, parse_payload
+from gateway.protocol import ARRIVED_SCOPE_KEY
 from gateway.proxy import ProxyRequest, proxy
 from gateway.runtime import Runtime
 
@@ -107,9 +108,10 @@ async def read_body(receive: Receive, headers: Mapping[str, str], limit: int) ->
 
 
 async def serve_proxied(scope: Scope, receive: Receive, send: Send) -> None:
-    received = time.perf_counter()  # TTFT and e2e start here
+    # TTFT and e2e start when the request's first bytes were read, not when this task ran.
+    received = scope.get(ARRIVED_SCOPE_KEY) or time.perf_counter()
     headers = Headers(scope=scope)
-    request_id = headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
+    request_id = headers.get("x-request-id", "")[:128] or new_request_id()
     reply = Reply(send, request_id)
     runtime: Runtime = scope["state"]["runtime"]
     endpoint = scope["path"]
@@ -127,6 +129,7 @@ async def serve_proxied(scope: Scope, receive: Receive, send: Send) -> None:
         payload=payload,
         body=body,
         headers=headers,
+        raw_headers=scope["headers"],
         request_id=request_id,
         started=received,
         key_priority=key_priority,

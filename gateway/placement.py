@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -117,28 +117,25 @@ async def plan_route(
     shape = shape_of(payload)
     estimate = await _estimate(runtime, payload, shape, serving)
     explicit = output_tokens(payload, 0)
-    route = Route(
-        model=model,
-        plan=PoolPlan(""),  # planned below, among the pools whose backends can hold it
-        shape=shape,
-        estimate=estimate,
-        context_tokens=max(1, explicit),
-        cost=estimate.tokens + (explicit or routing.token_budget.default_output_tokens),
-        session=session_of(headers, payload, routing),
-    )
+    context_tokens = max(1, explicit)
     lengths = [r.max_model_len for r in serving]
-    if exceeds_every_context(lengths, estimate.tokens, route.context_tokens, estimate.exact):
+    if exceeds_every_context(lengths, estimate.tokens, context_tokens, estimate.exact):
         largest = max(n for n in lengths if n is not None)
         raise ContextLengthExceeded(
             f"This model's maximum context length is {largest} tokens. However, you requested "
-            f"about {estimate.tokens + route.context_tokens} tokens "
-            f"({estimate.tokens} in the prompt, {route.context_tokens} in the completion).",
+            f"about {estimate.tokens + context_tokens} tokens "
+            f"({estimate.tokens} in the prompt, {context_tokens} in the completion).",
             param="messages" if shape.chat else "prompt",
         )
     spill = routing.spill
+    holding = {
+        r.pool
+        for r in healthy
+        if fits_context(r.max_model_len, estimate.tokens, context_tokens, estimate.exact)
+    }
     plan = plan_pools(
         settings.pools,
-        {r.pool for r in healthy if route.fits(r)},
+        holding,
         estimate.tokens,
         to_longer=spill.to_longer,
         to_shorter=spill.to_shorter,
@@ -146,7 +143,15 @@ async def plan_route(
     if plan is None:
         runtime.recorder.rejected(serving[0].pool, "no_backend")
         raise Unavailable(f"no healthy backend of `{model}` has the context for this prompt")
-    return replace(route, plan=plan)
+    return Route(
+        model=model,
+        plan=plan,
+        shape=shape,
+        estimate=estimate,
+        context_tokens=context_tokens,
+        cost=estimate.tokens + (explicit or routing.token_budget.default_output_tokens),
+        session=session_of(headers, payload, routing),
+    )
 
 
 def make_pick(

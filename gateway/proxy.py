@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,13 @@ from policies.admission import (
 from policies.token_budget import Claim
 
 # Client headers that are the gateway's business, not the backend's.
-_NOT_FORWARDED = HOP_BY_HOP | {"authorization", "accept-encoding", "x-request-id"}
+_NOT_FORWARDED = frozenset(
+    name.encode()
+    for name in HOP_BY_HOP | {"authorization", "accept-encoding", "x-request-id", "content-type"}
+)
+# What every proxied request tells its backend: JSON, and a body in clear (the relay
+# must read SSE to time it).
+_FIXED_FIELDS = b"content-type: application/json\r\naccept-encoding: identity\r\n"
 _PRIORITY_HEADER = "x-kneecap-priority"
 _QUEUE_WAIT_HEADER = "x-kneecap-max-queue-wait"
 _PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
@@ -65,6 +71,7 @@ class ProxyRequest:
     payload: dict[str, Any]
     body: bytes
     headers: Mapping[str, str]
+    raw_headers: Sequence[tuple[bytes, bytes]]  # as received, names in lower case
     request_id: str
     started: float  # perf_counter at arrival
     key_priority: str = "interactive"  # the API key's configured class
@@ -101,17 +108,22 @@ def _max_queue_wait(request: ProxyRequest, pool: PoolConfig) -> float:
     return min(seconds, pool.max_queue_wait_ceiling_s)
 
 
-def _upstream_headers(request: ProxyRequest, replica: Replica, forward_key: bool) -> dict[str, str]:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
-    headers["content-type"] = "application/json"
-    headers["accept-encoding"] = "identity"  # the relay must read SSE in clear to time it
-    headers["x-request-id"] = request.request_id
+def _upstream_fields(request: ProxyRequest, replica: Replica, forward_key: bool) -> bytes:
+    """The upstream request's header lines, from the client's raw ones (no decoding)."""
+    lines = [b"%s: %s\r\n" % pair for pair in request.raw_headers if pair[0] not in _NOT_FORWARDED]
+    lines.append(_FIXED_FIELDS)
+    lines.append(b"x-request-id: %s\r\n" % request.request_id.encode("latin-1"))
     key = replica.config.resolved_api_key()
     if key:
-        headers["authorization"] = f"Bearer {key}"
-    elif forward_key and "authorization" in request.headers:
-        headers["authorization"] = request.headers["authorization"]
-    return headers
+        lines.append(b"authorization: Bearer %s\r\n" % key.encode("latin-1"))
+    elif forward_key:
+        lines += [
+            b"authorization: %s\r\n" % v for n, v in request.raw_headers if n == b"authorization"
+        ]
+    return b"".join(lines)
+
+
+_INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
 
 
 def _prepare_stream(request: ProxyRequest) -> bool:
@@ -121,6 +133,12 @@ def _prepare_stream(request: ProxyRequest) -> bool:
     options = request.payload.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:
         return False
+    body = request.body.rstrip()
+    if "stream_options" not in request.payload and body.endswith(b"}"):
+        # The body is a JSON object without the key: add it before the closing brace
+        # rather than re-encode the whole (possibly long) prompt.
+        request.body = body[:-1] + _INCLUDE_USAGE
+        return True
     merged = dict(options) if isinstance(options, dict) else {}
     merged["include_usage"] = True
     payload = dict(request.payload, stream_options=merged)
@@ -128,19 +146,10 @@ def _prepare_stream(request: ProxyRequest) -> bool:
     return True
 
 
-async def _send(runtime: Runtime, url: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
-    """Straight to the client's transport: the proxied request needs none of the client
-    layer (cookies, redirects, auth, event hooks), which costs a third of its CPU."""
-    upstream_request = httpx.Request(
-        "POST",
-        url,
-        content=body,
-        headers=headers,
-        extensions={"timeout": runtime.current.upstream_timeouts},
-    )
-    response = await runtime.transport.handle_async_request(upstream_request)
-    response.request = upstream_request
-    return response
+async def _send(runtime: Runtime, url: str, fields: bytes, body: bytes) -> httpx.Response:
+    """Straight to the transport: the proxied request needs none of the client layer
+    (cookies, redirects, auth, event hooks), nor an ``httpx.Request``."""
+    return await runtime.transport.post(url, fields, body, runtime.current.upstream_timeouts)
 
 
 def _status_of(error: Exception) -> RequestStatus:
@@ -179,8 +188,8 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRel
             upstream = await _send(
                 runtime,
                 replica.url + request.endpoint,
+                _upstream_fields(request, replica, settings.auth.forward_client_key),
                 request.body,
-                _upstream_headers(request, replica, settings.auth.forward_client_key),
             )
         except httpx.HTTPError as exc:
             _release(runtime, flight, lease, Outcome.DROPPED)

@@ -24,6 +24,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.recording import Recorder
 from gateway.routing import RoutingState
 from gateway.settings import ConfigError, Settings, load_settings
+from gateway.upstream import UpstreamTransport
 from policies.admission import PoolAdmission, Priority
 
 log = logging.getLogger("kneecap.runtime")
@@ -85,7 +86,7 @@ class ReloadResult:
 class Runtime:
     current: Snapshot
     client: httpx.AsyncClient
-    transport: httpx.AsyncBaseTransport  # proxied requests go straight here
+    transport: UpstreamTransport  # proxied requests go straight here
     recorder: Recorder
     metrics_registry: CollectorRegistry
     config_path: Path | None = None

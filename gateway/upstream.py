@@ -16,6 +16,7 @@ them to the client in one go; nothing waits to be merged.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -201,13 +202,51 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         url = request.url
         if url.scheme != "http":
             return await self._tls.handle_async_request(request)
-        timeouts = request.extensions.get("timeout", {})
-        origin = (url.host, url.port or 80)
-        head = _head(request)
         try:
             body = request.content  # built with content=bytes: already read
         except httpx.RequestNotRead:
             body = await request.aread()
+        origin = (url.host, url.port or 80)
+        timeouts = request.extensions.get("timeout", {})
+        response = await self._exchange(origin, _head(request), body, timeouts)
+        response.request = request
+        return response
+
+    async def post(
+        self, url: str, fields: bytes, body: bytes, timeouts: dict[str, float | None]
+    ) -> httpx.Response:
+        """``POST url`` with ``fields`` (``name: value\r\n`` lines, no Host or
+        Content-Length) and ``body``, without building an ``httpx.Request``: the
+        proxied request's head is written from the client's raw header bytes."""
+        target = _target(url)
+        if target is None:
+            request = httpx.Request(
+                "POST",
+                url,
+                content=body,
+                headers=_parse_fields(fields),
+                extensions={"timeout": timeouts},
+            )
+            return await self._tls.handle_async_request(request)
+        origin, host, path = target
+        head = b"".join(
+            (
+                b"POST ",
+                path,
+                b" HTTP/1.1\r\nhost: ",
+                host,
+                b"\r\ncontent-length: ",
+                str(len(body)).encode(),
+                b"\r\n",
+                fields,
+                b"\r\n",
+            )
+        )
+        return await self._exchange(origin, head, body, timeouts)
+
+    async def _exchange(
+        self, origin: _Origin, head: bytes, body: bytes, timeouts: dict[str, float | None]
+    ) -> httpx.Response:
         for attempt in range(2):
             conn = await self._acquire(origin, timeouts)
             reused = conn.used
@@ -223,10 +262,10 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 self._discard(conn)
                 if reused and not conn.received and attempt == 0:
                     continue  # the server closed a keep-alive connection: once more, fresh
-                raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+                raise httpx.RemoteProtocolError(str(exc)) from exc
             except httpcore.ReadTimeout as exc:
                 self._discard(conn)
-                raise httpx.ReadTimeout(str(exc), request=request) from exc
+                raise httpx.ReadTimeout(str(exc)) from exc
             except BaseException:
                 self._discard(conn)
                 raise
@@ -318,6 +357,26 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 conn.close()
         self._idle.clear()
         await self._tls.aclose()
+
+
+@functools.lru_cache(maxsize=1024)
+def _target(url: str) -> tuple[_Origin, bytes, bytes] | None:
+    """(origin, Host value, request target) of a plain-HTTP URL; None for any other scheme."""
+    parsed = httpx.URL(url)
+    if parsed.scheme != "http":
+        return None
+    port = parsed.port or 80
+    host = parsed.raw_host + (b":%d" % parsed.port if parsed.port else b"")
+    return (parsed.host, port), host, parsed.raw_path
+
+
+def _parse_fields(fields: bytes) -> list[tuple[bytes, bytes]]:
+    pairs = []
+    for line in fields.split(b"\r\n"):
+        if line:
+            name, _, value = line.partition(b":")
+            pairs.append((name.strip(), value.strip()))
+    return pairs
 
 
 def _head(request: httpx.Request) -> bytes:

@@ -76,11 +76,16 @@ class Proc:
 
 
 def start_process(
-    args: list[str], url: str, ready_path: str, log: Path, env: dict[str, str] | None = None
+    args: list[str],
+    url: str,
+    ready_path: str,
+    log: Path,
+    env: dict[str, str] | None = None,
+    module: str = "gateway.cli",
 ) -> Proc:
     handle = log.open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", *args],
+        [sys.executable, "-m", module, *args],
         stdout=handle,
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
