@@ -16,7 +16,6 @@ from typing import Any
 
 import anyio
 import httpx
-from starlette.responses import Response
 
 from backends.replica import Replica
 from gateway.errors import (
@@ -31,9 +30,10 @@ from gateway.meter import StreamMeter, Usage
 from gateway.placement import Route, candidates, make_pick, plan_route
 from gateway.record import RequestStatus
 from gateway.recording import Flight
-from gateway.relay import HOP_BY_HOP, StreamEnd, StreamRelay, response_headers
+from gateway.relay import HOP_BY_HOP, StreamEnd, StreamRelay, WholeAnswer, response_headers
 from gateway.runtime import Runtime
 from gateway.settings import PoolConfig
+from gateway.upstream import UpstreamResponse
 from policies.admission import (
     Lease,
     NoHealthyBackend,
@@ -146,7 +146,7 @@ def _prepare_stream(request: ProxyRequest) -> bool:
     return True
 
 
-async def _send(runtime: Runtime, url: str, fields: bytes, body: bytes) -> httpx.Response:
+async def _send(runtime: Runtime, url: str, fields: bytes, body: bytes) -> UpstreamResponse:
     """Straight to the transport: the proxied request needs none of the client layer
     (cookies, redirects, auth, event hooks), nor an ``httpx.Request``."""
     return await runtime.transport.post(url, fields, body, runtime.current.upstream_timeouts)
@@ -156,7 +156,7 @@ def _status_of(error: Exception) -> RequestStatus:
     return "upstream_timeout" if isinstance(error, httpx.TimeoutException) else "upstream_error"
 
 
-async def proxy(runtime: Runtime, request: ProxyRequest) -> Response | StreamRelay:
+async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | StreamRelay:
     settings = runtime.current.settings
     route = await plan_route(runtime, request.payload, request.headers)
     pool = route.plan.home
@@ -303,10 +303,10 @@ async def _buffered(
     runtime: Runtime,
     flight: Flight,
     route: Route,
-    upstream: httpx.Response,
+    upstream: UpstreamResponse,
     lease: Lease[Claim[Replica]],
     extra: dict[str, str],
-) -> Response:
+) -> WholeAnswer:
     status: RequestStatus = "upstream_error"
     usage = None
     try:
@@ -325,13 +325,30 @@ async def _buffered(
             _calibrate(runtime, route, usage)
         finally:
             _release(runtime, flight, lease, _OUTCOME[status])
-    response = Response(body, status_code=upstream.status_code)
     length = (b"content-length", str(len(body)).encode())
-    response.raw_headers = [*response_headers(upstream, extra), length]
-    return response
+    return WholeAnswer(upstream.status_code, [*response_headers(upstream, extra), length], body)
+
+
+_USAGE_KEY = b'"usage"'
+_DECODER = json.JSONDecoder()
 
 
 def _usage_of(body: bytes) -> Usage | None:
+    """The body's ``usage``, read from the last ``"usage"`` key on: engines put it at the
+    end, and a long completion need not be parsed whole for two numbers (inside a JSON
+    string the key's quotes would be escaped, so the search cannot land in content).
+    Anything unexpected falls back to parsing the whole body."""
+    at = body.rfind(_USAGE_KEY)
+    if at >= 0:
+        tail = body[at + len(_USAGE_KEY) :].lstrip()
+        if tail.startswith(b":"):
+            try:
+                value, _ = _DECODER.raw_decode(tail[1:].decode().lstrip())
+            except (ValueError, UnicodeDecodeError):
+                value = None
+            usage = Usage.from_json(value)
+            if usage is not None:
+                return usage
     try:
         return Usage.from_json(json.loads(body).get("usage"))
     except (ValueError, AttributeError):

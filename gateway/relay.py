@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.meter import StreamMeter
 from gateway.record import RequestStatus
 from gateway.sse import SSEFramer, join_events
+from gateway.upstream import UpstreamResponse
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus what the relay recomputes itself.
 HOP_BY_HOP = frozenset(
@@ -40,14 +41,32 @@ HOP_BY_HOP = frozenset(
 )
 
 
-def response_headers(upstream: httpx.Response, extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
+_NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP | {"date", "server"})
+
+
+def response_headers(
+    upstream: UpstreamResponse, extra: dict[str, str]
+) -> list[tuple[bytes, bytes]]:
     headers = [
-        (name, value)
-        for name, value in upstream.headers.raw
-        if name.lower().decode() not in HOP_BY_HOP and name.lower() not in (b"date", b"server")
+        (name, value) for name, value in upstream.raw_headers if name.lower() not in _NOT_RELAYED
     ]
     headers += [(k.encode(), v.encode()) for k, v in extra.items()]
     return headers
+
+
+class WholeAnswer:
+    """A non-streamed answer, read whole from the upstream (for its usage), sent as is."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
 
 
 @dataclass(slots=True)
@@ -67,7 +86,7 @@ def error_event(message: str, code: str = "upstream_error") -> bytes:
 class StreamRelay:
     def __init__(
         self,
-        upstream: httpx.Response,
+        upstream: UpstreamResponse,
         meter: StreamMeter,
         headers: dict[str, str],
         finish: Callable[[StreamEnd], None],

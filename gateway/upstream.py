@@ -186,6 +186,45 @@ class _Body(httpx.AsyncByteStream):
             self._pool._release(self._conn)
 
 
+class _HttpxBody:
+    """An ``httpx.Response``'s body (the ``https://`` path) behind the same interface."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._response.aiter_raw()
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class UpstreamResponse:
+    """A proxied request's answer: status, raw headers, and the body as it arrives.
+
+    Lighter than ``httpx.Response`` (no header parsing, no decoder and chunker
+    generators around each body chunk), which the relay pays for per token.
+    """
+
+    __slots__ = ("_body", "raw_headers", "status_code")
+
+    def __init__(
+        self, status_code: int, raw_headers: list[tuple[bytes, bytes]], body: _Body | _HttpxBody
+    ) -> None:
+        self.status_code = status_code
+        self.raw_headers = raw_headers
+        self._body = body
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self._body.__aiter__()
+
+    async def aread(self) -> bytes:
+        return b"".join([chunk async for chunk in self._body])
+
+    async def aclose(self) -> None:
+        await self._body.aclose()
+
+
 class UpstreamTransport(httpx.AsyncBaseTransport):
     """Keep-alive HTTP/1.1 to plain-HTTP upstreams; ``max_connections`` bounds the pool."""
 
@@ -208,13 +247,18 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             body = await request.aread()
         origin = (url.host, url.port or 80)
         timeouts = request.extensions.get("timeout", {})
-        response = await self._exchange(origin, _head(request), body, timeouts)
-        response.request = request
-        return response
+        conn = await self._exchange(origin, _head(request), body, timeouts)
+        return httpx.Response(
+            conn.status,
+            headers=conn.headers,
+            stream=_Body(self, conn, timeouts.get("read")),
+            extensions={"http_version": b"HTTP/1.1"},
+            request=request,
+        )
 
     async def post(
         self, url: str, fields: bytes, body: bytes, timeouts: dict[str, float | None]
-    ) -> httpx.Response:
+    ) -> UpstreamResponse:
         """``POST url`` with ``fields`` (``name: value\r\n`` lines, no Host or
         Content-Length) and ``body``, without building an ``httpx.Request``: the
         proxied request's head is written from the client's raw header bytes."""
@@ -227,7 +271,10 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 headers=_parse_fields(fields),
                 extensions={"timeout": timeouts},
             )
-            return await self._tls.handle_async_request(request)
+            response = await self._tls.handle_async_request(request)
+            return UpstreamResponse(
+                response.status_code, response.headers.raw, _HttpxBody(response)
+            )
         origin, host, path = target
         head = b"".join(
             (
@@ -242,11 +289,13 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 b"\r\n",
             )
         )
-        return await self._exchange(origin, head, body, timeouts)
+        conn = await self._exchange(origin, head, body, timeouts)
+        return UpstreamResponse(conn.status, conn.headers, _Body(self, conn, timeouts.get("read")))
 
     async def _exchange(
         self, origin: _Origin, head: bytes, body: bytes, timeouts: dict[str, float | None]
-    ) -> httpx.Response:
+    ) -> _Connection:
+        """Sends the request on a pooled connection; returns it once the head is in."""
         for attempt in range(2):
             conn = await self._acquire(origin, timeouts)
             reused = conn.used
@@ -269,12 +318,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             except BaseException:
                 self._discard(conn)
                 raise
-            return httpx.Response(
-                conn.status,
-                headers=conn.headers,
-                stream=_Body(self, conn, timeouts.get("read")),
-                extensions={"http_version": b"HTTP/1.1"},
-            )
+            return conn
         raise AssertionError("unreachable")
 
     async def _acquire(self, origin: _Origin, timeouts: dict[str, float | None]) -> _Connection:

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.proxy import ProxyRequest, _prepare_stream
+from gateway.proxy import ProxyRequest, _prepare_stream, _usage_of
 from tests.procs import Proc, free_port, start_gateway, start_process
 
 MODEL = "echo"
@@ -141,3 +141,31 @@ def test_client_asking_for_usage_and_embeddings_are_left_alone() -> None:
     embedding = {"model": "m", "input": "x"}
     body = json.dumps(embedding).encode()
     assert prepared(embedding, body, "/v1/embeddings") == (False, body)
+
+
+def completion(content: str, usage: object, **extra: object) -> bytes:
+    body = {"id": "c", "choices": [{"message": {"content": content}}], **extra, "usage": usage}
+    return json.dumps(body).encode()
+
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        completion("plain", USAGE),
+        completion('the model wrote "usage": {"prompt_tokens": 99} itself', USAGE),
+        completion("x", USAGE)[:-1] + b', "extra": {"usage": "not an object"}}',  # nested, later
+        json.dumps({"usage": USAGE, "choices": []}, indent=2).encode(),  # usage first, spaced
+    ],
+)
+def test_usage_is_read_from_non_streamed_bodies(body: bytes) -> None:
+    usage = _usage_of(body)
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (7, 3)
+
+
+@pytest.mark.parametrize("body", [b"not json", completion("x", None), b'{"usage": [1, 2]}'])
+def test_bodies_without_usable_usage_give_none(body: bytes) -> None:
+    assert _usage_of(body) is None
