@@ -3,15 +3,23 @@ raised, rendered once."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
+import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from backends.replica import Replica
-from gateway.errors import InvalidRequest, Unauthorized
+from gateway.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    Unauthorized,
+    Unavailable,
+    UpstreamError,
+)
 from gateway.front import PROXIED_PATHS, ProxiedEndpoint, bearer, client_priority
 from gateway.metrics import render
 from gateway.routing import token_limit_of
@@ -25,6 +33,48 @@ def runtime_of(request: Request) -> Runtime:
 
 def require_client_key(request: Request) -> str:
     return client_priority(runtime_of(request), request.headers)
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's ``POST /tokenize``, answered by a healthy backend of the body's model.
+
+    Not admitted and not measured: it costs the engine no GPU time. Clients such as
+    ``kneecap bench`` use it to size prompts exactly through the gateway.
+    """
+    require_client_key(request)
+    runtime = runtime_of(request)
+    body = await request.body()
+    try:
+        model = json.loads(body).get("model")
+    except (ValueError, AttributeError):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json") from None
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest(
+            "you must provide the `model` parameter",
+            param="model",
+            code="missing_required_parameter",
+        )
+    serving = runtime.current.backends.serving(model)
+    if not serving:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    healthy = [r for r in serving if r.healthy]
+    if not healthy:
+        raise Unavailable(f"no healthy backend serves model `{model}`")
+    replica = min(healthy, key=lambda r: r.in_flight / max(1, r.limit))
+    headers = {"content-type": "application/json"}
+    key = replica.config.resolved_api_key()
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    try:
+        answer = await runtime.client.post(replica.url + "/tokenize", content=body, headers=headers)
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"backend {replica.name} failed: {type(exc).__name__}: {exc}") from exc
+    return Response(
+        answer.content,
+        status_code=answer.status_code,
+        media_type=answer.headers.get("content-type", "application/json"),
+        headers={"x-kneecap-backend": replica.name},
+    )
 
 
 async def list_models(request: Request) -> Response:
@@ -116,6 +166,7 @@ async def metrics(request: Request) -> Response:
 ROUTES = [
     *(Route(path, ProxiedEndpoint(), methods=["POST"]) for path in sorted(PROXIED_PATHS)),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
     Route("/ready", ready, methods=["GET"]),
     Route("/admin/reload", admin_reload, methods=["POST"]),

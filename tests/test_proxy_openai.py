@@ -110,3 +110,32 @@ def test_unknown_fields_pass_through_and_request_id_round_trips(gateway: Gateway
     assert response.headers["x-request-id"] == "req-123"
     generated = httpx.get(gateway.url + "/v1/models", timeout=5).headers["x-request-id"]
     assert len(generated) == 32
+
+
+@pytest.mark.parametrize(
+    "body", [{"model": MODEL, "prompt": "count me " * 50}, {"model": MODEL, "messages": MESSAGES}]
+)
+def test_tokenize_is_answered_by_a_backend_of_the_model(
+    gateway: Gateway, sims: list[Proc], body: dict
+) -> None:
+    via = httpx.post(gateway.url + "/tokenize", json=body, timeout=10)
+    direct = httpx.post(sims[0].url + "/tokenize", json=body, timeout=10)
+    assert via.status_code == direct.status_code == 200
+    assert via.json() == direct.json()
+    assert via.json()["count"] > 0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "no-such-model", "prompt": "x"}, 404, "model_not_found"),
+        ({"prompt": "x"}, 400, "missing_required_parameter"),
+        ([1, 2], 400, "invalid_json"),
+    ],
+)
+def test_tokenize_refusals_are_openai_errors(
+    gateway: Gateway, body: object, status: int, code: str
+) -> None:
+    response = httpx.post(gateway.url + "/tokenize", json=body, timeout=10)
+    assert response.status_code == status
+    assert response.json()["error"]["code"] == code
