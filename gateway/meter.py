@@ -51,16 +51,15 @@ def carries_output(event: bytes) -> bool:
 
 
 def finish_reason_of(event: bytes) -> str | None:
-    """The first ``_FINISH`` match's reason; every ``"finish_reason":null`` costs two counts."""
-    keys = event.count(b'"finish_reason"')
-    if not keys or keys == event.count(b'"finish_reason":null'):
-        return None
+    """The first ``_FINISH`` match's reason, in one pass: ``"finish_reason":null``, in every
+    event but the last, is skipped by a comparison."""
     at = event.find(b'"finish_reason"')
     while at >= 0:
         at += 15
-        match = _FINISH_VALUE.match(event, at)
-        if match:
-            return match.group(1).decode()
+        if not event.startswith(b":null", at):
+            match = _FINISH_VALUE.match(event, at)
+            if match:
+                return match.group(1).decode()
         at = event.find(b'"finish_reason"', at - 1)
     return None
 
@@ -122,7 +121,8 @@ class StreamMeter:
         now = self.clock()
         dropped: int | None = None
         for position, event in enumerate(events):
-            if carries_output(event):
+            output = carries_output(event)
+            if output:
                 if self.first_output is None:
                     self.first_output = self.last_flush = now
                     if self.window is not None:
@@ -133,7 +133,8 @@ class StreamMeter:
                 self.output_events += 1
             if self.finish_reason is None:
                 self.finish_reason = finish_reason_of(event)
-            if is_usage_chunk(event):
+            # The usage-only chunk has empty choices: it never carries output.
+            if not output and is_usage_chunk(event):
                 self._read_usage(event)
                 if self.strip_usage:
                     dropped = position
