@@ -38,6 +38,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.used = False  # has served a request: a failure may be a stale keep-alive
         self.counted = True  # holds one of the pool's ``max_connections`` slots
+        self.timer: asyncio.TimerHandle | None = None
+        self.deadline = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -120,23 +122,34 @@ class _Connection(asyncio.Protocol):
             waiter.set_exception(error)
 
     async def wait(self, limit_s: float | None) -> None:
-        """Until the parser made progress, the connection failed, or ``limit_s`` passed."""
+        """Until the parser made progress, the connection failed, or ``limit_s`` passed.
+
+        One timer per connection, re-armed only when it fires early, instead of a
+        timer made and cancelled for every chunk of a stream.
+        """
         if self.error is not None:
             raise self.error
         self.waiter = waiter = self.loop.create_future()
-        timer = None
-        if limit_s is not None:
-            timer = self.loop.call_later(limit_s, self._timeout, waiter)
+        if limit_s is None:
+            self.deadline = float("inf")  # a timer still armed by an earlier wait lets go
+        else:
+            self.deadline = self.loop.time() + limit_s
+            if self.timer is None:
+                self.timer = self.loop.call_at(self.deadline, self._check_deadline)
         try:
             await waiter
         finally:
             self.waiter = None
-            if timer is not None:
-                timer.cancel()
 
-    def _timeout(self, waiter: asyncio.Future[None]) -> None:
-        if not waiter.done():
+    def _check_deadline(self) -> None:
+        self.timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # not waiting now: the next wait arms the timer again
+        if self.loop.time() >= self.deadline:
             waiter.set_exception(httpcore.ReadTimeout("timed out waiting for the upstream"))
+        elif self.deadline != float("inf"):
+            self.timer = self.loop.call_at(self.deadline, self._check_deadline)
 
     def take(self) -> bytes:
         """Every body byte buffered so far, as one chunk."""
@@ -155,6 +168,9 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         self.closed = True
 
 

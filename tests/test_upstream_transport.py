@@ -122,3 +122,34 @@ async def test_pool_limit_waits_then_times_out(backend: str) -> None:
 
 def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
+
+
+async def test_read_timeout_is_per_gap_not_per_stream(backend: str) -> None:
+    """A stream longer than the read timeout, whose gaps are all shorter, is not cut."""
+    body = json.dumps(_chat(stream=True, max_tokens=12, perf_itl_ms=40)).encode()
+    async with _client(UpstreamTransport(max_connections=1), read=0.15) as client:
+        async with client.stream("POST", backend + "/v1/chat/completions", content=body) as reply:
+            data = b"".join([chunk async for chunk in reply.aiter_raw()])
+    assert data.count(b'"content":"') >= 12
+    assert data.rstrip().endswith(b"data: [DONE]")
+
+
+class _StallsAfterOneChunk(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(  # type: ignore[attr-defined]
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n7\r\ndata: 1\r\n"
+        )
+
+
+async def test_stall_mid_stream_is_a_read_timeout() -> None:
+    server, url = await _server(_StallsAfterOneChunk)
+    async with server, _client(UpstreamTransport(max_connections=1), read=0.2) as client:
+        async with client.stream("POST", url + "/v1/chat/completions", content=b"{}") as reply:
+            received = []
+            with pytest.raises(httpx.ReadTimeout):
+                async for chunk in reply.aiter_raw():
+                    received.append(chunk)
+    assert received == [b"data: 1"]
