@@ -20,9 +20,11 @@ Every sample (L = limit, c = in_flight, W = engine_waiting, S = settle_s)::
     pressure = max(ttft_p95 / ttft_p95_slo, itl_p95 / itl_p95_slo)   # None parts skipped
 
     1. objection, judged on c (what the window saw), not on L:
-         engine queueing, W > tolerance for S -> the backend holds H = c - W
-             (a burst of admissions queues for a few steps, so W counts only from S
-             after the last raise; a full KV cache queues for good)
+         engine queueing, W > tolerance for S -> the backend holds H = max(c - W)
+             over the last S (a burst of admissions queues for a few steps, so W
+             counts only from S after the last raise; a full KV cache queues for
+             good; the max, because right after a burst of completions the
+             preempted sequences count as waiting while they are prefilled again)
          SLO breach, pressure > 1             -> it held H = c, too slowly
        ceiling C = min(C, H), forgotten ceiling_ttl_s after the last objection, or
        breach_ttl_s after a breach within 2 S of a raise (the burst of prefills a
@@ -31,7 +33,10 @@ Every sample (L = limit, c = in_flight, W = engine_waiting, S = settle_s)::
          L = max(L / 2, min((1 - margin) * H, c / pressure))  if that is < L
              (the c / pressure term only for a breach)
     2. the knee estimate, from a window's worth (S) of samples, c = their mean in_flight:
-         running = c, or c - W once the engine has queued for S (a full KV cache)
+         running = c, or c - W once the engine has queued for S (a full KV cache);
+                   no estimate while the engine queues with c > L: a backlog the limit
+                   already refuses (after a cut, or from the faster backend a slower
+                   one replaced), preempted and recomputed, tells nothing of the knee
          y       = running / tokens_per_s          # s per token of one stream
          solo    = y at running = c0, measured at the first level of a fresh start
                    (busy and steady), again whenever c <= solo_level; a y below solo
@@ -47,10 +52,13 @@ Every sample (L = limit, c = in_flight, W = engine_waiting, S = settle_s)::
              before a first uncapped k, K is the highest floor (it may raise L,
              never lower it)
        and the drift check: a stable stretch of y (S of samples within
-       drift_tolerance / 2) that differs by more than drift_tolerance from the last
-       stable one at about the same c, S to 6 S earlier, means a different backend:
-       solo is rescaled by the same ratio and K restarts. Requests age slowly (their
-       KV grows with every token), a replaced backend changes y at once.
+       drift_tolerance / 2) more than drift_tolerance above the last stable one at
+       about the same c, S to 6 S earlier, means a slower backend: solo is rescaled
+       by the same ratio and K restarts from the next window (this one's k was
+       judged against the old solo). Requests age slowly (their KV grows with every
+       token), a replaced backend changes y at once. Only a rise counts: clients
+       that finished together and restart together make y fall at the same c (a
+       young cohort for an old one); a faster backend shows as y below solo.
     3. raises are granted at ramp_per_s permits per second, and so is a fresh start,
        from solo_level up to ``initial`` (after holding solo_level for S to measure
        solo): N permits at once are N prefills queued behind each other, a TTFT spike
@@ -77,6 +85,10 @@ keeps the limit off that cliff and the ceiling keeps the estimate from walking
 back onto it for ceiling_ttl_s. Limits of the model: a change of weight format
 alone (FP8 for BF16 weights) moves ``a`` but barely ``y`` at high concurrency,
 so it is seen only when the restart's transient is, or at the next fresh start.
+A slower backend that comes with a different load (a token budget admitting
+fewer of its requests) escapes the drift check, which compares like loads: the
+old solo makes it look far past its knee until the limit reaches solo_level and
+solo is measured again.
 
 Defaults and why:
   ttft_p95_slo 0.5 s; itl_p95_slo 0.15 s (~6.5 tokens/s per stream, about reading
@@ -84,7 +96,12 @@ Defaults and why:
   marginal_fraction 0.35: stop where a stream decodes at about a third of its solo
       speed, the marginal permit bringing about a third of an average one. The seed
       figures' step from 32 to 64 in flight brings 5.4 tok/s per permit against 34 at
-      32 (0.16): far past it; on the simulated L40S this lands at 35-40 in flight
+      32 (0.16): far past it; on the simulated L40S this lands at 35-40 in flight.
+      Lower buys throughput with slower streams: 90 % of the goodput of the best
+      static limit under 2x Poisson overload (84 in flight, at the KV-cache cliff
+      of staggered requests) would need about 0.26 or less, which puts the limit
+      under 128 closed-loop clients at 47-52, settling only after 160-320 s (README,
+      "Acceptance")
   margin 0.2: 20 % below where the backend objected leaves a fifth of the KV cache
       for requests that are still growing
   knee_smoothing_s 30, down_speedup 0.5, queueing_slowdown 2, deadband 0.1,
@@ -157,6 +174,7 @@ class KneeLimit:
         self._ceiling: int | None = None
         self._ceiling_until = float("-inf")
         self._queueing_since: float | None = None  # engine_waiting > tolerance since
+        self._running: deque[tuple[float, int]] = deque()  # (now, in_flight - waiting) since
         self._recent: deque[tuple[float, int]] = deque()  # (now, in_flight)
         self.solo: float | None = None  # s per token of a stream at low concurrency ...
         self._solo_c = 0.0  # ... namely at this many running
@@ -258,6 +276,11 @@ class KneeLimit:
         if self._queueing_since is not None:
             if sample.now - self._queueing_since < cfg.settle_s:
                 return  # a burst of prefills: the window says little about decoding
+            if sample.in_flight > self._limit:
+                # More in flight than the limit admits, and a full KV cache: a backlog
+                # the limit already refuses (after a cut, or a slower backend taking
+                # over), preempting and recomputing. No measure of the knee.
+                return
             running = max(1.0, c - (sample.engine_waiting or 0))  # a full KV cache
         y = running / sample.output_tokens_per_s
         steady = max(levels) - min(levels) <= cfg.steady_tolerance * c
@@ -278,8 +301,8 @@ class KneeLimit:
         self._instant = None if capped else k
         if not steady:
             return
-        if self._queueing_since is None:
-            self._drift(sample.now, c, y)
+        if self._queueing_since is None and self._drift(sample.now, c, y):
+            return  # k was judged against the old backend's solo
         if c <= cfg.solo_level:
             self.solo, self._solo_c = y, running  # at the first level y is solo itself
             self._solo_measured = True
@@ -287,6 +310,7 @@ class KneeLimit:
             # Faster than `solo` ever was: a faster backend. y bounds its solo from above.
             self.solo, self._solo_c = y, 0.0
             self.knee = None
+            return
         if self.knee is None or self._knee_is_floor:
             # Until a first real estimate, a capped k ("more than 2 * running") is kept
             # as a floor of the knee: good for raising, not for lowering.
@@ -314,16 +338,19 @@ class KneeLimit:
     def _weight(self, tau: float) -> float:
         return 1.0 if tau <= 0 else 1 - math.exp(-self._elapsed / tau)
 
-    def _drift(self, now: float, c: float, y: float) -> None:
-        """A backend that changed under load: rescale `solo` by what y did.
+    def _drift(self, now: float, c: float, y: float) -> bool:
+        """A backend that got slower under load: rescale `solo` by what y did.
 
         Compares a stable stretch of y (settle_s of samples within
         drift_tolerance / 2 of each other) with the last stable one at about
         the same c (within steady_tolerance, moved to the current c by the
         affine model) settle_s to 6 settle_s earlier. Requests age slowly, so y
-        drifts little between the two; a different backend moves it at once and
-        for good. A transient (a burst of prefills after a restart) is not
-        stable and is never compared.
+        grows little between the two; a slower backend moves it at once and
+        for good. Only a rise counts: a fall at the same c is what a young
+        cohort replacing an old one looks like (clients that finished together
+        and restarted together), and a faster backend shows as y below solo.
+        A transient (a burst of prefills after a restart) is not stable and is
+        never compared. True when it rescaled.
         """
         assert self.solo is not None
         cfg = self._cfg
@@ -334,7 +361,7 @@ class KneeLimit:
             recent.popleft()
         ys = [v for _, v in recent]
         if now - recent[0][0] < span * 0.8 or max(ys) / min(ys) > 1 + cfg.drift_tolerance / 2:
-            return
+            return False
         history = self._stable
         while history and history[0][0] < now - 6 * span:
             history.popleft()
@@ -342,14 +369,16 @@ class KneeLimit:
         previous = [e for e in history if e[0] <= now - span and abs(e[1] - c) <= tol]
         history.append((now, c, y))
         if not previous:
-            return
+            return False
         _, c_then, y_then = previous[-1]
         expected = self.solo + max(0.0, y_then - self.solo) * c / c_then
         ratio = (sum(ys) / len(ys)) / expected
-        if max(ratio, 1 / ratio) - 1 > cfg.drift_tolerance:
-            self.solo *= ratio
-            self.knee = None
-            history.clear()
+        if ratio - 1 <= cfg.drift_tolerance:
+            return False
+        self.solo *= ratio
+        self.knee = None
+        history.clear()
+        return True
 
     def _goal(self) -> float | None:
         goal = self.knee
@@ -369,8 +398,15 @@ class KneeLimit:
         if waiting is not None and waiting > self._cfg.engine_waiting_tolerance and not ramping:
             if self._queueing_since is None:
                 self._queueing_since = sample.now
+                self._running.clear()
+            running = self._running
+            running.append((sample.now, sample.in_flight - waiting))
+            while running[0][0] < sample.now - self._cfg.settle_s:
+                running.popleft()
             if sample.now - self._queueing_since >= self._cfg.settle_s:
-                return max(1, sample.in_flight - waiting)
+                # The most it ran over settle_s: right after a burst of completions the
+                # preempted sequences count as waiting while they are prefilled again.
+                return max(1, max(r for _, r in running))
         else:
             self._queueing_since = None
         if pressure is not None and pressure > 1:

@@ -265,3 +265,77 @@ def test_a_backend_with_more_room_is_found_once_the_ceiling_expires() -> None:
     mid, swing = settled(limits, after=350)
     assert abs(mid - roomy.knee) / roomy.knee <= 0.15
     assert swing <= 0.25
+
+
+def test_an_objection_holds_the_most_the_engine_ran_over_settle_s() -> None:
+    # Right after a burst of completions, preempted sequences count as waiting while
+    # they are prefilled again: the engine's running count dips for a sample or two.
+    ctl = carried(60)
+    for t in range(5):
+        assert ctl.update(sample(t, in_flight=60, engine_waiting=10)) == 60
+    assert ctl.update(sample(5, in_flight=60, engine_waiting=40)) == 40  # 0.8 * 50, not 20
+    assert ctl.ceiling == 50
+
+
+def _thrash(ctl: KneeLimit, t: int, in_flight: int) -> None:
+    """A slower backend's full KV cache: half the streams preempted, recomputing."""
+    ctl.update(
+        sample(t, in_flight=in_flight, engine_waiting=in_flight // 2, output_tokens_per_s=60.0)
+    )
+
+
+def test_a_backlog_above_the_limit_on_a_full_kv_cache_leaves_the_knee_estimate_alone() -> None:
+    def measured(**knobs: float) -> KneeLimit:
+        ctl = carried(40, solo=0.015, **knobs)
+        for t in range(7):  # 40 streams at 30 ms a token: k = 40 * (1 / 0.35 - 1)
+            ctl.update(sample(t, in_flight=40, output_tokens_per_s=40 / 0.030))
+        assert ctl.knee == pytest.approx(74.3, rel=0.01)
+        return ctl
+
+    # Everything admitted before the cut stays in flight for minutes: what the engine
+    # does with it says nothing about the knee.
+    backlog = measured()
+    t = 7
+    while backlog.limit >= 40:
+        _thrash(backlog, t, in_flight=40)
+        t += 1
+    knee = backlog.knee
+    for later in range(t, t + 60):
+        _thrash(backlog, later, in_flight=40)
+        assert backlog.limit < 40
+    assert backlog.knee == knee
+    # The same windows at a load the limit admits (held there by its minimum) do move it.
+    admitted = measured(initial=40, min=40, max=40)
+    for t in range(7, 7 + 120):
+        _thrash(admitted, t, in_flight=40)
+        assert admitted.limit == 40
+    assert admitted.knee is not None and knee is not None and admitted.knee < 0.5 * knee
+
+
+def _steady(ctl: KneeLimit, start: int, seconds: int, y: float, c: int = 40) -> None:
+    for t in range(start, start + seconds):
+        ctl.update(sample(t, in_flight=c, output_tokens_per_s=c / y))
+
+
+def test_streams_getting_faster_at_the_same_load_are_not_a_different_backend() -> None:
+    # A closed loop's clients finish together and restart together: the young cohort
+    # decodes faster than the old one did, at the same in-flight count.
+    ctl = carried(40, solo=0.015)
+    _steady(ctl, 0, 20, y=0.030)
+    _steady(ctl, 20, 30, y=0.018)  # 0.6x: beyond drift_tolerance, in the other direction
+    assert ctl.solo == pytest.approx(0.015)
+
+
+def test_a_slower_backend_rescales_solo_and_restarts_the_estimate_from_the_new_one() -> None:
+    ctl = carried(40, solo=0.015)
+    _steady(ctl, 0, 20, y=0.030)
+    t = 20
+    while ctl.solo == pytest.approx(0.015):
+        assert t < 40, "a twice slower backend at the same load went unnoticed"
+        _steady(ctl, t, 1, y=0.060)
+        t += 1
+    assert ctl.solo == pytest.approx(0.030)  # rescaled by 0.060 / 0.030
+    # The window that showed the change was judged against the old solo: no estimate.
+    assert ctl.knee is None
+    _steady(ctl, t, 1, y=0.060)
+    assert ctl.knee == pytest.approx(74.3, rel=0.01)  # the same shape, twice as slow

@@ -17,9 +17,21 @@ from backends.sim.system import (
     SimRequest,
     SystemSim,
     always,
+    within_limit,
+    within_token_budget,
 )
-from backends.sim.system.acceptance import BAND, CLIENTS, PROFILE, SHAPE, SLO_S, SWING, knee
-from backends.sim.system.report import limit_trace, outcome, settling
+from backends.sim.system.acceptance import (
+    BAND,
+    CLIENTS,
+    PROFILE,
+    SHAPE,
+    SLO_S,
+    SWING,
+    Comparison,
+    knee,
+    sweep,
+)
+from backends.sim.system.report import Outcome, limit_trace, outcome, settling
 from policies.static import StaticLimitConfig
 
 
@@ -71,10 +83,12 @@ def test_the_limit_follows_a_backend_redeployed_on_a_slower_gpu() -> None:
     sim = SystemSim([BackendSpec("b0", PROFILE)], limit=knee(4))
     ClosedLoop(sim, CLIENTS, SHAPE, start_spread_s=2.0)
     sim.at(200, lambda: sim.replace_engine("b0", new))
-    sim.run(400)
+    sim.run(520)
     trace = limit_trace(sim)
     assert trace[190] >= 2 * level  # the L40S carried far more
-    within = trace[200 + 120 : 200 + 190]  # from 120 s after the change on
+    # From 120 s after the change on, and on while the L40S's 40-odd streams, too many
+    # for the L4's KV cache, take minutes to drain (preempted and recomputed meanwhile).
+    within = trace[200 + 120 :]
     assert all((1 - SWING) * level <= x <= (1 + SWING) * level for x in within)
 
 
@@ -126,3 +140,53 @@ def test_nothing_is_left_held_or_queued_after_cancellations_and_a_redeploy() -> 
     assert not sim.backends[0].running and sim.backends[0].tokens_in_flight == 0
     assert all(r.status is not None for r in requests)
     assert {r.status for r in requests} >= {"ok", "cancelled", "failed"}
+
+
+def _goodput(value: float) -> Outcome:
+    return Outcome(
+        arrived=0,
+        admitted=0,
+        shed=0,
+        ttft_p50=None,
+        ttft_p95=None,
+        wait_p50=None,
+        wait_p95=None,
+        shed_overshoot_max=None,
+        throughput=value,
+        goodput=value,
+        limit_median=None,
+    )
+
+
+def test_the_static_sweep_finds_the_best_limit_between_its_grid_points() -> None:
+    # Goodput climbs to a cliff at 86 (as under Poisson arrivals): the grid's best
+    # point is 80, the real best 84 -- hindsight must not be flattered by the grid.
+    measured: list[int] = []
+
+    def measure(n: int) -> Outcome:
+        measured.append(n)
+        return _goodput(n if n <= 86 else 40.0)
+
+    found = sweep(measure, (32, 48, 64, 80, 96))
+    assert max(found, key=lambda n: found[n].goodput) == 84
+    assert list(found) == sorted(found)
+    assert len(measured) == len(set(measured)) == 9  # the grid, then 72/88, then 76/84
+    compared = Comparison(_goodput(75.6), found)
+    assert compared.best[0] == 84
+    assert compared.share == pytest.approx(0.9)
+
+
+def test_the_default_admission_also_holds_the_token_budget() -> None:
+    sim = SystemSim([BackendSpec("b0", PROFILE)], limit=StaticLimitConfig(initial=100))
+    backend = sim.backends[0]
+    r = SimRequest(id=0, prompt_tokens=1024, max_tokens=2816, arrived=0.0, deadline=30.0)
+    budget = int(0.95 * backend.profile.kv_tokens)  # routing.token_budget's default
+    backend.replica.in_flight, backend.tokens_in_flight = 1, budget - 3840
+    assert within_token_budget(backend, r) and within_limit(backend, r)
+    backend.tokens_in_flight += 1  # one token short of room
+    assert not within_token_budget(backend, r) and within_limit(backend, r)
+    backend.replica.in_flight, backend.tokens_in_flight = 0, 0
+    huge = SimRequest(id=1, prompt_tokens=10**6, max_tokens=1, arrived=0.0, deadline=30.0)
+    assert within_token_budget(backend, huge)  # alone, anything runs
+    backend.replica.in_flight = 100
+    assert not within_token_budget(backend, r)  # and the request limit still holds

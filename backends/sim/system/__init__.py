@@ -19,6 +19,7 @@ from backends.sim.system.model import (
     always,
     least_loaded,
     within_limit,
+    within_token_budget,
 )
 from backends.sim.system.sim import BackendSpec, Interval, SystemSim
 
@@ -38,4 +39,5 @@ __all__ = [
     "always",
     "least_loaded",
     "within_limit",
+    "within_token_budget",
 ]

@@ -5,8 +5,8 @@ length, token-budget admission, a round-robin baseline) plug in without
 touching the event loop:
 
 * :data:`Admits` -- ``admits(backend, request) -> bool``: may this backend take
-  this request now? The default is the gateway's rule, ``in_flight < limit``;
-  token-budget admission adds its own test.
+  this request now? The default is the request limit alone, ``in_flight <
+  limit``; :func:`within_token_budget` adds the gateway's default token budget.
 * :data:`Router` -- ``router(request, candidates) -> backend | None``: choose
   among the healthy backends of the request's pool that admit it; None queues
   the request. The default is the gateway's least-loaded pick.
@@ -22,11 +22,15 @@ from backends.replica import Replica
 from backends.sim.base import GenerationRequest, TokenEvent
 from backends.sim.profiles import Profile
 from backends.sim.virtual import VirtualEngine
+from gateway.settings import TokenBudgetConfig
 from gateway.window import RollingWindow
 from policies.priority_queue import Priority
+from policies.routing import Load
+from policies.token_budget import token_budget
 
 Status = Literal["ok", "queue_full", "queue_timeout", "no_backend", "failed", "cancelled"]
 SHED: frozenset[Status] = frozenset({"queue_full", "queue_timeout", "no_backend"})
+_KV_FRACTION = TokenBudgetConfig().kv_fraction  # routing.token_budget's default
 
 
 @dataclass(slots=True, eq=False)
@@ -119,6 +123,26 @@ def within_limit(backend: SimBackend, request: SimRequest) -> bool:
     """The gateway's admission rule: a permit is free on this backend."""
     del request
     return backend.replica.in_flight < backend.replica.limit
+
+
+def within_token_budget(backend: SimBackend, request: SimRequest) -> bool:
+    """The gateway's default admission: a permit, and room in the backend's token budget
+    (prompt + max output tokens in flight <= ``routing.token_budget.kv_fraction`` of the
+    KV cache; a backend with nothing in flight always has room), as Load.fits decides."""
+    budget = token_budget(
+        configured=None,
+        kv_capacity=backend.profile.kv_tokens,
+        kv_fraction=_KV_FRACTION,
+        default=None,
+    )
+    load = Load(
+        name=backend.name,
+        in_flight=backend.replica.in_flight,
+        limit=backend.replica.limit,
+        tokens_in_flight=backend.tokens_in_flight,
+        token_limit=budget,
+    )
+    return load.fits(request.prompt_tokens + request.max_tokens)
 
 
 def always(backend: SimBackend, request: SimRequest) -> bool:
