@@ -169,6 +169,11 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
         started=request.started,
         request_id=request.request_id,
     )
+    priority = _priority(request)
+    # The queue deadline runs from the request's arrival, once for all attempts: the
+    # client's wait is bounded, whatever reading, routing and retries took.
+    elapsed = time.perf_counter() - request.started
+    deadline = time.monotonic() + _max_queue_wait(request, settings.pools[pool]) - elapsed
     tried: set[str] = set()
     last_error: Exception | None = None
     last_replica: Replica | None = None
@@ -179,7 +184,7 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             break
         if last_replica is not None:
             runtime.recorder.retried(last_replica)
-        lease = await _admit(runtime, flight, route, request, tried)
+        lease = await _admit(runtime, flight, route, priority, deadline, tried)
         flight.admitted = time.perf_counter()
         replica = last_replica = lease.backend.backend
         tried.add(replica.name)
@@ -231,12 +236,14 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
 
 
 async def _admit(
-    runtime: Runtime, flight: Flight, route: Route, request: ProxyRequest, tried: set[str]
+    runtime: Runtime,
+    flight: Flight,
+    route: Route,
+    priority: Priority,
+    deadline: float,
+    tried: set[str],
 ) -> Lease[Claim[Replica]]:
     pool = flight.pool
-    pool_config = runtime.current.settings.pools[pool]
-    priority = _priority(request)
-    deadline = time.monotonic() + _max_queue_wait(request, pool_config)
     pick = make_pick(runtime, route, tried)
     try:
         return await runtime.admission(pool).acquire(pick, priority=priority, deadline=deadline)
