@@ -32,11 +32,26 @@ Every sample (L = limit, c = in_flight, W = engine_waiting, S = settle_s)::
        at most once per S (a window still holds a breach for a while):
          L = max(L / 2, min((1 - margin) * H, c / pressure))  if that is < L
              (the c / pressure term only for a breach)
+       two exceptions, neither while the engine queues nor within 2 S of a raise:
+         turnover: a breach within 2 S of a window in which at least c / 4 requests
+             completed, more than 4 times as many as in the window S before, is that
+             of clients that finished together coming back together: their prefills
+             breach whatever the limit (after an L4 redeploy every static limit from 6
+             to 19 breaches at each cohort's turnover, p95 TTFT 0.61-0.65 s) and a
+             lower limit would only cost throughput for the minutes the cohort runs.
+             No ceiling; L = max(L / 2, c) if that is < L (admit no more than that)
+         a level the limit did not set, c < L (the token budget or the demand held
+             in flight below the limit): L = max(L / 2, H) if that is < L, and the
+             ceiling keeps no margin below H. The margin keeps the limit off a cliff
+             it walked onto; here the budget set the level and holds it whatever the
+             limit above, so the limit comes down to it, not below; the next
+             objection is at a level the limit holds and goes below as usual
     2. the knee estimate, from a window's worth (S) of samples, c = their mean in_flight:
          running = c, or c - W once the engine has queued for S (a full KV cache);
-                   no estimate while the engine queues with c > L: a backlog the limit
-                   already refuses (after a cut, or from the faster backend a slower
-                   one replaced), preempted and recomputed, tells nothing of the knee
+                   no estimate while c > L and the engine queued within the last S
+                   (the window still holds it): a backlog the limit already refuses
+                   (after a cut, or from the faster backend a slower one replaced),
+                   preempted and recomputed, tells nothing of the knee
          y       = running / tokens_per_s          # s per token of one stream
          solo    = y at running = c0, measured at the first level of a fresh start
                    (busy and steady), again whenever c <= solo_level; a y below solo
@@ -53,24 +68,40 @@ Every sample (L = limit, c = in_flight, W = engine_waiting, S = settle_s)::
              never lower it)
        and the drift check: a stable stretch of y (S of samples within
        drift_tolerance / 2) more than drift_tolerance above the last stable one at
-       about the same c, S to 6 S earlier, means a slower backend: solo is rescaled
-       by the same ratio and K restarts from the next window (this one's k was
-       judged against the old solo). Requests age slowly (their KV grows with every
-       token), a replaced backend changes y at once. Only a rise counts: clients
-       that finished together and restart together make y fall at the same c (a
-       young cohort for an old one); a faster backend shows as y below solo.
+       the same or a higher c (within steady_tolerance), S to 6 S earlier, moved to
+       this c along its line from solo (y_then - solo scaled by (c - c0) /
+       (c_then - c0)), means a slower backend. Fewer streams, each slower: on one
+       backend y only grows with c, and requests age slowly (their KV grows with
+       every token) while a replaced backend changes y at once; at more streams the
+       line would extrapolate and an older cohort could pass for a slower backend.
+       Measured (y over expected): at most 1.17 in 20 convergence runs (initial 4 and
+       128, seeds 0-4, with and without the token budget) and 18 Poisson runs (0.4,
+       0.81, 1.2 req/s, seeds 0-2, both ways); 1.9 after an L4 redeploy at 41 in
+       flight both sides, 2.23 when the token budget shows it at 17. Then solo is
+       forgotten and K restarts: y and k as if no solo had been measured (y bounds
+       the new solo from above, k the knee), no slow start, until c <= solo_level
+       measures solo again. Rescaling solo by the ratio was tried: it compares two
+       populations of different ages (a redeploy restarts every stream young, the
+       old stretch held aged ones) and made the L4's solo 31 ms (27 ms at like loads)
+       for a measured 38 ms; as the new cohort aged the estimate fell below 12, the
+       limit with it (budget on: the L4's budget holds 17).
+       Only a rise counts: clients that finished together and restart together make
+       y fall at the same c (a young cohort for an old one); a faster backend shows
+       as y below solo.
     3. raises are granted at ramp_per_s permits per second, and so is a fresh start,
        from solo_level up to ``initial`` (after holding solo_level for S to measure
        solo): N permits at once are N prefills queued behind each other, a TTFT spike
        the raise itself caused. A raise stops early where this sample's (uncapped) k
        says the knee is.
-    4. goal G = min(K, (1 - margin) * C):
+    4. goal G = min(K, (1 - margin) * C), no margin for a ceiling set at a level the
+       limit did not set (rule 1):
          L > G * (1 + deadband), at most once per S -> L = max(G, L * (1 - max_step))
              (k judges what was in flight, so this need not wait for a drain)
        everything else waits until L is settled (in_flight <= L held for S):
          in_flight < busy_fraction * L or no demand     -> hold (not the bottleneck)
          no K or no measured solo yet: a fresh start    -> L = L * (1 + max_step)
                                        a carried limit  -> hold (it only backs off)
+                                       (and one carried onto a slower backend, rule 2)
          L < G * (1 - deadband)                         -> L = min(G, L * (1 + max_step))
          otherwise                                      -> hold
        On reload a knee controller hands its measured solo to its successor, which
@@ -84,11 +115,11 @@ that runs out (requests wait inside the engine and their TTFT jumps from
 keeps the limit off that cliff and the ceiling keeps the estimate from walking
 back onto it for ceiling_ttl_s. Limits of the model: a change of weight format
 alone (FP8 for BF16 weights) moves ``a`` but barely ``y`` at high concurrency,
-so it is seen only when the restart's transient is, or at the next fresh start.
-A slower backend that comes with a different load (a token budget admitting
-fewer of its requests) escapes the drift check, which compares like loads: the
-old solo makes it look far past its knee until the limit reaches solo_level and
-solo is measured again.
+so it is seen only when the restart's transient is (the breach of the retried
+streams' prefills, whose ceiling holds for ceiling_ttl_s), or at the next fresh
+start. After a slower backend the estimate can lower the limit but not raise it
+until solo is measured again, which takes a window at solo_level: under a
+steady load the limit stays where the objections and the token budget left it.
 
 Defaults and why:
   ttft_p95_slo 0.5 s; itl_p95_slo 0.15 s (~6.5 tokens/s per stream, about reading
@@ -171,11 +202,14 @@ class KneeLimit:
         self._reached_at: float | None = None if start is None else float("-inf")
         self._decreased_at = float("-inf")
         self._raised_at = float("-inf")  # when a ramp last granted permits
+        self._turnover_at = float("-inf")  # when clients last came back all at once
         self._ceiling: int | None = None
+        self._ceiling_margin = config.margin  # kept below the ceiling, see _objection
         self._ceiling_until = float("-inf")
         self._queueing_since: float | None = None  # engine_waiting > tolerance since
+        self._queued_at = float("-inf")  # engine_waiting > tolerance last seen
         self._running: deque[tuple[float, int]] = deque()  # (now, in_flight - waiting) since
-        self._recent: deque[tuple[float, int]] = deque()  # (now, in_flight)
+        self._recent: deque[tuple[float, int, int]] = deque()  # (now, in_flight, completed)
         self.solo: float | None = None  # s per token of a stream at low concurrency ...
         self._solo_c = 0.0  # ... namely at this many running
         self._solo_measured = False  # False while solo is only an upper bound
@@ -207,20 +241,11 @@ class KneeLimit:
         pressure = self._pressure(sample)
         held = self._held(sample, pressure)
         self._observe(sample)
+        self._note_turnover(sample)
         if held is not None:
-            self._ceiling = held if self._ceiling is None else min(self._ceiling, held)
-            # A breach right after a raise may be the burst of prefills the raise itself
-            # admitted: that ceiling is re-examined sooner.
-            after_raise = now - self._raised_at <= 2 * cfg.settle_s
-            queueing = self._queueing(sample)
-            ttl = cfg.breach_ttl_s if after_raise and not queueing else cfg.ceiling_ttl_s
-            self._ceiling_until = max(self._ceiling_until, now + ttl)
-            if now - self._decreased_at >= cfg.settle_s:
-                cut = (1 - cfg.margin) * held
-                if pressure is not None and pressure > 1:
-                    cut = min(cut, sample.in_flight / pressure)
-                if cut < self._limit:
-                    return self._decrease(now, cut)
+            cut = self._objection(sample, held, pressure)
+            if cut is not None and cut < self._limit:
+                return self._decrease(now, cut)
         if self._limit < self._target and not self._measuring_solo:
             if self._instant is not None and self._limit >= self._instant:
                 self._target = self._limit  # the raise went past the knee: stop it here
@@ -262,25 +287,25 @@ class KneeLimit:
         cfg = self._cfg
         self._instant = None
         recent = self._recent
-        recent.append((sample.now, sample.in_flight))
+        recent.append((sample.now, sample.in_flight, sample.completed))
         horizon = sample.now - cfg.settle_s
         while len(recent) > 1 and recent[1][0] <= horizon:
             recent.popleft()  # keep the last sample at or before the horizon
         if recent[0][0] > horizon + self._elapsed / 2 or len(recent) < 2:
             return  # not yet a window's worth of history
-        levels = [c for _, c in recent]
+        levels = [c for _, c, _ in recent]
         c = sum(levels) / len(levels)
         if c < 1 or sample.output_tokens_per_s <= 0:
+            return
+        if sample.in_flight > self._limit and sample.now - self._queued_at < cfg.settle_s:
+            # More in flight than the limit admits, on an engine that queued within the
+            # window: a backlog the limit already refuses (after a cut, or a slower
+            # backend taking over), preempted and recomputed. No measure of the knee.
             return
         running = c
         if self._queueing_since is not None:
             if sample.now - self._queueing_since < cfg.settle_s:
                 return  # a burst of prefills: the window says little about decoding
-            if sample.in_flight > self._limit:
-                # More in flight than the limit admits, and a full KV cache: a backlog
-                # the limit already refuses (after a cut, or a slower backend taking
-                # over), preempting and recomputing. No measure of the knee.
-                return
             running = max(1.0, c - (sample.engine_waiting or 0))  # a full KV cache
         y = running / sample.output_tokens_per_s
         steady = max(levels) - min(levels) <= cfg.steady_tolerance * c
@@ -366,28 +391,70 @@ class KneeLimit:
         while history and history[0][0] < now - 6 * span:
             history.popleft()
         tol = cfg.steady_tolerance * c
-        previous = [e for e in history if e[0] <= now - span and abs(e[1] - c) <= tol]
+        previous = [e for e in history if e[0] <= now - span and c <= e[1] + tol]
         history.append((now, c, y))
         if not previous:
             return False
         _, c_then, y_then = previous[-1]
-        expected = self.solo + max(0.0, y_then - self.solo) * c / c_then
+        # y - solo = b * (c - c0): y_then moved to this c along its line from solo
+        share = max(0.0, c - self._solo_c) / max(c_then - self._solo_c, 1.0)
+        expected = self.solo + max(0.0, y_then - self.solo) * share
         ratio = (sum(ys) / len(ys)) / expected
         if ratio - 1 <= cfg.drift_tolerance:
             return False
-        self.solo *= ratio
-        self.knee = None
+        self.solo, self._solo_c, self._solo_measured = None, 0.0, False
+        self.knee, self._knee_is_floor = None, False
+        self._slow_start = False  # the limit is held until solo is measured again
         history.clear()
         return True
 
     def _goal(self) -> float | None:
         goal = self.knee
         if self._ceiling is not None:
-            capped = (1 - self._cfg.margin) * self._ceiling
+            capped = (1 - self._ceiling_margin) * self._ceiling
             goal = capped if goal is None else min(goal, capped)
         return goal
 
     # -- objections ------------------------------------------------------------
+
+    def _objection(self, sample: Sample, held: int, pressure: float | None) -> float | None:
+        """Rule 1: the ceiling an objection sets and the cut it asks for, if any."""
+        cfg = self._cfg
+        now = sample.now
+        c = sample.in_flight
+        after_raise = now - self._raised_at <= 2 * cfg.settle_s
+        queueing = self._queueing(sample)
+        due = now - self._decreased_at >= cfg.settle_s  # a window holds a breach a while
+        if not queueing and not after_raise and now - self._turnover_at <= 2 * cfg.settle_s:
+            # Clients that finished together came back together: their prefills breach
+            # whatever the limit. Admit no more than is in flight, set no ceiling.
+            return c if due and c < self._limit else None
+        # A level the limit did not set (the token budget or the demand held in flight
+        # below it): down to that level, not below, and no margin under it.
+        unset = c < self._limit and not after_raise and not queueing
+        margin = 0.0 if unset else cfg.margin
+        if self._ceiling is None or held < self._ceiling:
+            self._ceiling, self._ceiling_margin = held, margin
+        elif held == self._ceiling:
+            self._ceiling_margin = max(self._ceiling_margin, margin)
+        # A breach right after a raise may be the burst of prefills the raise itself
+        # admitted: that ceiling is re-examined sooner.
+        ttl = cfg.breach_ttl_s if after_raise and not queueing else cfg.ceiling_ttl_s
+        self._ceiling_until = max(self._ceiling_until, now + ttl)
+        if not due:
+            return None
+        cut = (1 - cfg.margin) * held
+        if pressure is not None and pressure > 1:
+            cut = min(cut, c / pressure)
+        return max(cut, held) if unset else cut
+
+    def _note_turnover(self, sample: Sample) -> None:
+        """A quarter of what is in flight completed within the window, four times as
+        many as in the window before: clients that finished together, back together."""
+        done = sample.completed
+        then, _, done_then = self._recent[0]
+        if then < sample.now and done >= sample.in_flight / 4 and done > 4 * done_then:
+            self._turnover_at = sample.now
 
     def _held(self, sample: Sample, pressure: float | None) -> int | None:
         """Rule 1: the concurrency this sample says the backend held, if it objects."""
@@ -395,6 +462,8 @@ class KneeLimit:
         # A burst of admissions queues for a few steps, and a ramp admits one burst
         # after another; a full KV cache queues for good, with no raise to blame.
         ramping = sample.now - self._raised_at < self._cfg.settle_s
+        if waiting is not None and waiting > self._cfg.engine_waiting_tolerance:
+            self._queued_at = sample.now
         if waiting is not None and waiting > self._cfg.engine_waiting_tolerance and not ramping:
             if self._queueing_since is None:
                 self._queueing_since = sample.now

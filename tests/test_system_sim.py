@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from backends.sim.system import (
+    Admits,
     BackendSpec,
     ClosedLoop,
     Poisson,
@@ -35,8 +36,15 @@ from backends.sim.system.report import Outcome, limit_trace, outcome, settling
 from policies.static import StaticLimitConfig
 
 
-def closed(initial: int, seconds: float, *, seed: int = 0, profile: str = PROFILE) -> SystemSim:
-    sim = SystemSim([BackendSpec("b0", profile)], limit=knee(initial), seed=seed)
+def closed(
+    initial: int,
+    seconds: float,
+    *,
+    seed: int = 0,
+    profile: str = PROFILE,
+    admits: Admits = within_limit,
+) -> SystemSim:
+    sim = SystemSim([BackendSpec("b0", profile)], limit=knee(initial), admits=admits, seed=seed)
     ClosedLoop(sim, CLIENTS, SHAPE, start_spread_s=2.0, seed=seed)
     sim.run(seconds)
     return sim
@@ -76,11 +84,15 @@ def test_overload_keeps_admitted_ttft_within_the_slo_and_sheds_at_the_deadline()
     assert with_knee.goodput > 2 * straight.goodput
 
 
-def test_the_limit_follows_a_backend_redeployed_on_a_slower_gpu() -> None:
+@pytest.mark.parametrize("admits", [within_limit, within_token_budget])
+def test_the_limit_follows_a_backend_redeployed_on_a_slower_gpu(admits: Admits) -> None:
+    # With the token budget (the gateway's default) the L4 admits 17 of these requests
+    # where the L40S ran 41: the controller first sees it at another load. Judged
+    # against the L40S's solo speed it looked far past its knee, and the limit sank to 1.
     new = "qwen3-4b/l4/bf16/vllm"
-    fresh = limit_trace(closed(4, 200, profile=new))
+    fresh = limit_trace(closed(4, 200, profile=new, admits=admits))
     level = sorted(fresh[120:])[len(fresh[120:]) // 2]
-    sim = SystemSim([BackendSpec("b0", PROFILE)], limit=knee(4))
+    sim = SystemSim([BackendSpec("b0", PROFILE)], limit=knee(4), admits=admits)
     ClosedLoop(sim, CLIENTS, SHAPE, start_spread_s=2.0)
     sim.at(200, lambda: sim.replace_engine("b0", new))
     sim.run(520)

@@ -11,8 +11,8 @@ so the 24-48 band describes this workload only. SLO: p95 TTFT 500 ms (the knee
 controller's default), TTFT counted from admission; the gateway's queue wait
 is reported separately. The gateway's defaults everywhere else: a 5 s window,
 1 s control ticks, pools of 256 waiters with a 30 s queue deadline -- except
-the token budget, off in (a) and (c) (the limit alone is under test there) and
-in the first half of (b).
+the token budget, off in (a) (the limit alone is under test there) and in the
+first halves of (b) and (c).
 
 (a) convergence: 128 closed-loop clients (starting within 2 s), knee controller
     from initial 4 and 128; settled = the limit stays in 24-48 and within +-25 %
@@ -33,7 +33,10 @@ in the first half of (b).
     much earlier: why no single limit passes both (a) and (b).
 (c) drift: as (a) from 4; at 300 s the backend is redeployed on another profile
     (its streams fail, the clients retry); the new level is what a fresh knee
-    controller settles at on that profile under the same load.
+    controller settles at on that profile under the same load and admission.
+    Twice, as (b): the request limit alone, and the gateway's default admission
+    (with the token budget an L4 admits 17 of these requests, not the 41 the
+    L40S ran: the controller sees the new backend at a different load).
 """
 
 from __future__ import annotations
@@ -87,8 +90,17 @@ def knee(initial: int) -> KneeLimitConfig:
     return KneeLimitConfig(initial=initial, ttft_p95_slo=SLO_S)
 
 
-def closed_loop(limit: LimitConfig, seconds: float, seed: int, profile: str = PROFILE) -> SystemSim:
-    sim = SystemSim([BackendSpec("b0", profile)], limit=limit, ttft_slo_s=SLO_S, seed=seed)
+def closed_loop(
+    limit: LimitConfig,
+    seconds: float,
+    seed: int,
+    profile: str = PROFILE,
+    *,
+    admits: Admits = within_limit,
+) -> SystemSim:
+    sim = SystemSim(
+        [BackendSpec("b0", profile)], limit=limit, admits=admits, ttft_slo_s=SLO_S, seed=seed
+    )
     ClosedLoop(sim, CLIENTS, SHAPE, start_spread_s=2.0, seed=seed)
     sim.run(seconds)
     return sim
@@ -290,16 +302,33 @@ def drift(plan: Plan, out: Callable[[str], None]) -> None:
         f"## (c) Drift: the backend is redeployed on another profile at {DRIFT_AT_S:.0f} s "
         "under 128 closed-loop clients\n"
     )
+    verdicts: list[str] = []
+    for title, name, admits in (
+        ("Admission by the request limit alone", "the request limit alone", within_limit),
+        (
+            "The gateway's default admission: the request limit and the token budget",
+            "the gateway's default admission",
+            within_token_budget,
+        ),
+    ):
+        out(f"### {title}\n")
+        verdicts += _drift_table(plan, admits, name, out)
+    out("\n".join(verdicts) + "\n")
+
+
+def _drift_table(plan: Plan, admits: Admits, name: str, out: Callable[[str], None]) -> list[str]:
     out(
         "| new profile | limit before | new level (fresh knee) | followed after | band after "
         "| verdict |"
     )
     out("|---|---:|---:|---:|---|---|")
-    traces = {}
+    traces, verdicts = {}, []
     for profile in DRIFT_PROFILES:
-        fresh = limit_trace(closed_loop(knee(4), DRIFT_AT_S, 0, profile))
+        fresh = limit_trace(closed_loop(knee(4), DRIFT_AT_S, 0, profile, admits=admits))
         level = statistics.median(fresh[120:])
-        sim = SystemSim([BackendSpec("b0", PROFILE)], limit=knee(4), ttft_slo_s=SLO_S)
+        sim = SystemSim(
+            [BackendSpec("b0", PROFILE)], limit=knee(4), admits=admits, ttft_slo_s=SLO_S
+        )
         ClosedLoop(sim, CLIENTS, SHAPE, start_spread_s=2.0)
         sim.at(DRIFT_AT_S, lambda sim=sim, p=profile: sim.replace_engine("b0", p))
         sim.run(plan.drift_s)
@@ -315,10 +344,15 @@ def drift(plan: Plan, out: Callable[[str], None]) -> None:
             f"| {min(after[120:])}-{max(after[120:])} | {verdict(ok)} |"
         )
         traces[profile] = trace
+        verdicts.append(
+            f"- drift to {profile}, {name}: limit within {lo:.1f}-{hi:.1f} from "
+            f"{SETTLE_BY_S:.0f} s after the change on: {verdict(ok)}"
+        )
     out("\nLimit trace around the change (every 10 s from 250 s):\n")
     for profile, trace in traces.items():
         out(f"- to {profile}: " + " ".join(str(x) for x in trace[249::10]))
     out("")
+    return verdicts
 
 
 def main(argv: list[str] | None = None) -> int:
