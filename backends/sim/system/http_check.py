@@ -281,9 +281,9 @@ def report(args: argparse.Namespace, m: Measured, sim: SystemSim, wall: float) -
         f"(of {len(lates)}); from the request written to the response headers read: "
         f"p50 {fmt(pct(wire, 50), '', 0)}, p95 {fmt(pct(wire, 95), '', 0)}, "
         f"max {fmt(max(wire, default=None), '', 0)}; this client's own event loop stalled up "
-        f"to {m.client_lag * 1000:,.0f} ms. The gateway starts a deadline when it admits, so "
-        f"both include the gateway's intake; the first also this client's delay in getting "
-        f"the request onto a connection.\n"
+        f"to {m.client_lag * 1000:,.0f} ms. The gateway counts a deadline from the request's "
+        f"arrival; the first figure also holds this client's delay in getting the request "
+        f"onto a connection.\n"
     )
     print("| | settled at | median | band after | p95 TTFT (2nd half) | p95 queue wait |")
     print("|---|---:|---:|---|---:|---:|")
