@@ -34,7 +34,6 @@ def _serve(args: argparse.Namespace) -> int:
             port,
             log_level=args.log_level,
             http=GatewayProtocol,  # stamps each request's arrival: TTFT starts there
-            proxy_headers=False,  # the gateway never uses the client's address
         )
     )
     _print_banner(settings, host, port, sims)

@@ -36,6 +36,7 @@ def server_config(app: ASGIApp, host: str, port: int, **kwargs: object) -> uvico
         port=port,
         log_level=kwargs.pop("log_level", "warning"),  # type: ignore[arg-type]
         access_log=False,
+        proxy_headers=kwargs.pop("proxy_headers", False),  # no server here uses client addresses
         timeout_graceful_shutdown=kwargs.pop("timeout_graceful_shutdown", 10),  # type: ignore[arg-type]
         **kwargs,  # type: ignore[arg-type]
     )

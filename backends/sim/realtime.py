@@ -4,91 +4,192 @@ One background task drives the same :class:`VirtualEngine` the benchmarks
 use: it sleeps until the step in progress ends (step time / speed) and then
 completes it, so the cost is one timer per engine step however many
 sequences run. Engine time is ``(wall - start) * speed``; everything the
-engine reports (metrics, step times) is in engine seconds.
+engine reports (metrics, step times) is in engine seconds. Steps end on the
+engine clock whatever the wall clock does: a loop that woke late completes
+the overdue steps at their own times, back to back, so lag delays delivery
+but never stretches the modelled GPU. The sleep is a kernel timer
+(:class:`KernelTimer`): the loop's own are millisecond-coarse, an error the
+speed-up multiplies. Waking from it still takes a while on a quiet machine
+(a tenth of a millisecond on a VM), so each sleep ends early by the lateness
+recently seen, and the rest (at most :data:`MAX_LEAD_S`) is polled. For the
+same reason an engine faster than real time that runs out of work polls for
+:data:`IDLE_POLL_S` before it sleeps: a closed-loop client's next request is
+usually already on its way, and a sleeping core would meet it late.
 
 Each request gets an async iterator of :class:`TokenEvent`. Closing it
 before the last token (the client went away) cancels the sequence and frees
-its KV at once.
+its KV at once. A step's tokens all end at one engine instant but go out one
+stream after another, so first tokens (TTFT) and last tokens (a slot that a
+closed-loop client refills at once) are handed out before the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
-import math
+import os
 import time
+from collections import deque
 from collections.abc import Callable
-
-import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from backends.sim.base import AsyncEngine, EngineFlavor, EngineStats, GenerationRequest, TokenEvent
 from backends.sim.engine_metrics import EngineTimings, render_metrics
 from backends.sim.profiles import Profile, get_profile
 from backends.sim.virtual import VirtualEngine
 
+# The most a step's end is polled for rather than slept through (wall seconds).
+MAX_LEAD_S = 0.0005
+# Faster than real time, how long an engine that ran out of work polls before it sleeps.
+IDLE_POLL_S = 0.001
 
-class _Sink:
-    """Listener handing one request's tokens to its stream."""
 
-    __slots__ = ("_done", "on_token", "send")
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
-    def __init__(
-        self,
-        send: MemoryObjectSendStream[TokenEvent],
-        timings: EngineTimings,
-        arrival: float,
-        done: Callable[[], object],
-    ) -> None:
-        self.send = send
-        self._done = done
-        self.on_token = timings.timed(self._push, arrival)
 
-    def _push(self, now: float, event: TokenEvent, /) -> None:
-        # The reader may have gone away between two steps; its cancel follows.
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-            self.send.send_nowait(event)
-        if event.finish_reason is not None:
-            self.send.close()
-            self._done()
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+class KernelTimer:
+    """Sleeps with the kernel's precision: a Linux ``timerfd`` watched by the event loop.
+
+    Event-loop timers keep time to a millisecond (uvloop rounds the delay,
+    asyncio's epoll rounds it up), and an engine running K times faster than
+    real time sees that error K times larger: at ``--speed 20`` a step that
+    ends 0.5 ms late has lasted 10 ms too long. A timerfd wakes the loop within
+    microseconds, without polling. :meth:`open` gives None where there is none.
+    """
+
+    def __init__(self, fd: int, settime: Callable[..., int]) -> None:
+        self._fd = fd
+        self._settime = settime
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(fd, self._fired)
+
+    @classmethod
+    def open(cls) -> KernelTimer | None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            create, settime = libc.timerfd_create, libc.timerfd_settime
+        except (OSError, AttributeError, TypeError):
+            return None  # not Linux
+        fd = create(time.CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd < 0:
+            return None
+        settime.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.POINTER(_Itimerspec),
+            ctypes.c_void_p,
+        ]
+        try:
+            return cls(fd, settime)
+        except (NotImplementedError, OSError):  # a loop that cannot watch file descriptors
+            os.close(fd)
+            return None
+
+    async def sleep(self, seconds: float) -> None:
+        whole = int(seconds)
+        spec = _Itimerspec(it_value=_Timespec(whole, max(1, int((seconds - whole) * 1e9))))
+        if self._settime(self._fd, 0, ctypes.byref(spec), None) != 0:
+            await asyncio.sleep(seconds)  # cannot arm it: the loop's own timer will do
+            return
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _fired(self) -> None:
+        try:
+            os.read(self._fd, 8)  # the expiry count; reading it re-arms readiness
+        except BlockingIOError:
+            return
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._fd)
+        os.close(self._fd)
 
 
 class TokenStream:
-    """Async iterator over one request's tokens; ``aclose()`` cancels it."""
+    """Async iterator over one request's tokens; ``aclose()`` cancels it.
+
+    The engine appends to a deque and wakes the reader with one future: no
+    channel machinery per token, and a reader that fell behind takes every
+    pending token without waiting.
+    """
+
+    __slots__ = ("_ended", "_engine", "_events", "_finished", "_request_id", "_waiter", "on_token")
 
     def __init__(
-        self,
-        engine: RealtimeEngine,
-        request_id: str,
-        receive: MemoryObjectReceiveStream[TokenEvent],
+        self, engine: RealtimeEngine, request_id: str, timings: EngineTimings, arrival: float
     ) -> None:
         self._engine = engine
         self._request_id = request_id
-        self._receive = receive
-        self._finished = False
+        self._events: deque[TokenEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False  # the engine sends nothing more (last token, cancel, shutdown)
+        self._finished = False  # the reader is done: it took the last token or closed
+        self.on_token = timings.timed(self._push, arrival)  # the engine's listener
+
+    # -- engine side ------------------------------------------------------------
+
+    def _push(self, now: float, event: TokenEvent, /) -> None:
+        if self._ended:
+            return  # the reader went away between two steps; its cancel follows
+        self._events.append(event)
+        if event.finish_reason is not None:
+            self._ended = True
+            self._engine._open.pop(self._request_id, None)
+        if event.index == 0 or event.finish_reason is not None:
+            self._wake()  # a first token (its TTFT) or a freed slot: out before the rest
+        else:
+            self._engine._later.append(self)
+
+    def end(self) -> None:
+        self._ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- reader side ------------------------------------------------------------
 
     def __aiter__(self) -> TokenStream:
         return self
 
     async def __anext__(self) -> TokenEvent:
+        events = self._events
+        while not events:
+            if self._ended or self._finished:
+                self._finished = True  # engine shut down under us
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         if self._finished:
             raise StopAsyncIteration
-        try:
-            event = await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self._finished = True  # engine shut down under us
-            raise StopAsyncIteration from None
+        event = events.popleft()
         if event.finish_reason is not None:
             self._finished = True
-            self._receive.close()
         return event
 
     async def aclose(self) -> None:
         if not self._finished:
             self._finished = True
-            self._engine.cancel(self._request_id)
-        self._receive.close()
+            if not self._ended:
+                self._engine.cancel(self._request_id)
+        self._events.clear()
 
 
 class RealtimeEngine:
@@ -115,8 +216,12 @@ class RealtimeEngine:
         self._origin = clock()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._open: dict[str, _Sink] = {}  # requests not finished yet
+        self._open: dict[str, TokenStream] = {}  # requests not finished yet
         self._cancelled = 0
+        self._timer: KernelTimer | None = None  # while running, where there is one
+        self._lead = 0.0  # how early sleeps end: the loop's recent wake-up lateness
+        self._later: list[TokenStream] = []  # streams to wake once the step is complete
+        self._idle_poll = IDLE_POLL_S if speed > 1 else 0.0
         self.max_model_len = profile.model.max_context
 
     def engine_time(self) -> float:
@@ -125,21 +230,19 @@ class RealtimeEngine:
     def generate(self, request: GenerationRequest) -> TokenStream:
         """Submit now; ValueError at once if the request can never run."""
         self._sync()
-        send, receive = anyio.create_memory_object_stream[TokenEvent](math.inf)
-        rid = request.request_id
-        sink = _Sink(send, self._timings, self._core.now, lambda: self._open.pop(rid, None))
-        self._core.submit(request, sink)
-        self._open[rid] = sink
+        stream = TokenStream(self, request.request_id, self._timings, self._core.now)
+        self._core.submit(request, stream)
+        self._open[request.request_id] = stream
         self._wake.set()
-        return TokenStream(self, request.request_id, receive)
+        return stream
 
     def cancel(self, request_id: str) -> None:
         self._sync()
         self._core.cancel(request_id)
-        sink = self._open.pop(request_id, None)
-        if sink is not None:
+        stream = self._open.pop(request_id, None)
+        if stream is not None:
             self._cancelled += 1
-            sink.send.close()
+            stream.end()
 
     def stats(self) -> EngineStats:
         return dataclasses.replace(self._core.stats(), cancelled_total=self._cancelled)
@@ -150,6 +253,7 @@ class RealtimeEngine:
     async def start(self) -> None:
         if self._task is None:
             self._origin = self._clock() - self._core.now / self.speed
+            self._timer = KernelTimer.open()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def aclose(self) -> None:
@@ -158,27 +262,54 @@ class RealtimeEngine:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for sink in self._open.values():
-            sink.send.close()
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.close()
+        for stream in self._open.values():
+            stream.end()
         self._open.clear()
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, and learn how late this loop wakes: the next sleeps end that much early."""
+        started = self._clock()
+        await (self._timer.sleep(seconds) if self._timer else asyncio.sleep(seconds))
+        late = self._clock() - started - seconds
+        self._lead = min(MAX_LEAD_S, max(0.0, self._lead + (late - self._lead) / 8))
 
     def _sync(self) -> None:
         """Bring the engine clock to now, completing any step that is overdue."""
         self._core.advance_to(self.engine_time())
+        self._wake_later()
+
+    def _wake_later(self) -> None:
+        later, self._later = self._later, []
+        for stream in later:
+            stream._wake()
 
     async def _run(self) -> None:
         core = self._core
+        idle_since: float | None = None
         while True:
             end = core.next_time()
             if end is None:
+                now = self._clock()
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since < self._idle_poll:
+                    await asyncio.sleep(0)  # a closed-loop client's next request is on its way
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            lag = end - self.engine_time()
-            if lag > 0:
-                await anyio.sleep(lag / self.speed)
+            idle_since = None
+            wait = (end - self.engine_time()) / self.speed  # wall seconds to the step's end
+            if wait > self._lead:
+                await self._sleep(wait - self._lead)
+                continue
+            if wait > 0:
+                await asyncio.sleep(0)  # the last moment before the step ends: poll
                 continue
             core.advance()
+            self._wake_later()
 
 
 def build_engine(

@@ -12,8 +12,13 @@ from typing import Any
 WORDS = ("the", " knee", " of", " every", " curve", " is", " where", " latency", " bends", ".")
 
 
+def word_of(seed: int, index: int) -> int:
+    """Which of :data:`WORDS` output token ``index`` of a ``seed`` stream is."""
+    return (seed * 31 + index * 7) % len(WORDS)
+
+
 def token_text(seed: int, index: int) -> str:
-    return WORDS[(seed * 31 + index * 7) % len(WORDS)]
+    return WORDS[word_of(seed, index)]
 
 
 def dumps(obj: Any) -> bytes:
@@ -80,6 +85,37 @@ def completion_chunk(ident: Identity, model: str, text: str, finish: str | None)
             "choices": [choice],
         }
     )
+
+
+_SLOT = "\x00kneecap-token-slot\x00"  # stands for the text while a template is cut
+
+
+class TokenChunks:
+    """One stream's token chunks: bytes equal to :func:`chat_chunk` / :func:`completion_chunk`.
+
+    Within a stream the chunks differ only in the token's text, so each is cut once
+    from a real chunk and joined per token instead of being encoded as JSON again.
+    """
+
+    __slots__ = ("_after", "_before", "_chat", "_ident", "_model")
+    _texts = tuple(dumps(word) for word in WORDS)
+
+    def __init__(self, ident: Identity, model: str, chat: bool) -> None:
+        self._ident = ident
+        self._model = model
+        self._chat = chat
+        slot = dumps(_SLOT)
+        self._before, _, self._after = self._make(_SLOT, None).partition(slot)
+
+    def _make(self, text: str, finish: str | None) -> bytes:
+        if self._chat:
+            return chat_chunk(self._ident, self._model, {"content": text}, finish)
+        return completion_chunk(self._ident, self._model, text, finish)
+
+    def token(self, seed: int, index: int, finish: str | None) -> bytes:
+        if finish is not None:  # the last chunk: once per stream
+            return self._make(token_text(seed, index), finish)
+        return self._before + self._texts[word_of(seed, index)] + self._after
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:

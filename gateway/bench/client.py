@@ -2,9 +2,10 @@
 
 Timing reuses the gateway's own stream meter, so "TTFT" means the same thing
 on both sides of the gateway: the first SSE event that carries output, not the
-first byte and not the role-only first chunk. Transport failures are mapped
-here, once, into a short message on the record; the load generator never sees
-an httpx exception.
+first byte and not the role-only first chunk, timed as the bytes arrive (the
+client hands each chunk to the meter from the socket's callback). A failed
+request ends as a short message on its record; the load generator never
+sees an exception.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
-
+from gateway.bench.h1 import Client, TransportError
 from gateway.bench.stats import RequestRecord
 from gateway.meter import StreamMeter
 from gateway.sse import SSEFramer
@@ -30,15 +31,25 @@ class TargetError(Exception):
 class ApiUrl:
     api: str  # base of the OpenAI API, ending in /v1
     root: str  # the server root, where vLLM serves /tokenize
+    origin: str  # scheme://host:port, what the client connects to
+    api_path: str  # ``api`` without the origin
+    root_path: str  # ``root`` without the origin
 
     @classmethod
     def parse(cls, url: str) -> ApiUrl:
         base = url.rstrip("/")
         if not base.startswith(("http://", "https://")):
             raise TargetError(f"bad URL {url!r}: expected http://HOST:PORT[/v1]")
-        if base.endswith("/v1"):
-            return cls(base, base[: -len("/v1")])
-        return cls(base + "/v1", base)
+        root = base[: -len("/v1")] if base.endswith("/v1") else base
+        parts = urlsplit(root)
+        try:
+            valid = bool(parts.hostname) and (parts.port is None or parts.port > 0)
+        except ValueError:  # a port that is not a number, or out of range
+            valid = False
+        if not valid:
+            raise TargetError(f"bad URL {url!r}: expected http://HOST:PORT[/v1]")
+        origin = f"{parts.scheme}://{parts.netloc}"
+        return cls(root + "/v1", root, origin, parts.path + "/v1", parts.path)
 
 
 def error_message(status: int, content: bytes) -> str:
@@ -60,17 +71,9 @@ def error_message(status: int, content: bytes) -> str:
     return f"HTTP {status}: {line}" if line else f"HTTP {status}"
 
 
-def transport_message(exc: httpx.HTTPError) -> str:
-    if isinstance(exc, httpx.ConnectError):
-        return "connection refused or unreachable"
-    if isinstance(exc, httpx.TimeoutException):
-        return f"timed out ({type(exc).__name__})"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
 async def stream_request(
-    client: httpx.AsyncClient,
-    url: str,
+    client: Client,
+    path: str,
     body: dict[str, Any],
     *,
     prompt_tokens: int,
@@ -79,23 +82,29 @@ async def stream_request(
     clock: Callable[[], float] = time.perf_counter,
 ) -> RequestRecord:
     framer = SSEFramer()
+    payload = json.dumps(body).encode()
     meter = StreamMeter(started=clock(), clock=clock)
+    ended: float | None = None  # when [DONE] arrived: the end of the stream
+
+    def sink(chunk: bytes) -> None:  # called as the bytes arrive: the meter's clock times them
+        nonlocal ended
+        events = framer.feed(chunk)
+        if events:
+            before = meter.output_events
+            meter.observe(events)
+            if meter.output_events > before:
+                on_tokens(meter.output_events - before)
+            if meter.done and ended is None:
+                ended = clock()
+
     error: str | None = None
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code >= 400:
-                error = error_message(response.status_code, await response.aread())
-            else:
-                async for chunk in response.aiter_bytes():
-                    events = framer.feed(chunk)
-                    if events:
-                        before = meter.output_events
-                        meter.observe(events)
-                        if meter.output_events > before:
-                            on_tokens(meter.output_events - before)
-    except httpx.HTTPError as exc:
-        error = transport_message(exc)
-    end = clock()
+        reply = await client.request("POST", path, payload, sink)
+        if reply.status >= 400:
+            error = error_message(reply.status, reply.body)
+    except TransportError as exc:
+        error = str(exc)
+    end = ended if ended is not None else clock()
     if error is None and meter.upstream_error:
         error = "error event in the stream"
     if error is None and meter.first_output is None:

@@ -1,27 +1,22 @@
 """The HTTP load generator: closed and open loop against an OpenAI base URL.
 
-One shared ``httpx.AsyncClient`` carries every request; its pool is sized above
-the largest number of requests in flight so the pool never becomes a second,
-hidden concurrency limit. The read timeout is the longest wait for the next
-chunk, a stall guard for token streams.
+One shared :class:`~gateway.bench.h1.Client` carries every request; its
+connection bound sits above the largest number of requests in flight so it
+never becomes a second, hidden concurrency limit. The stall timeout is the
+longest wait for the next chunk, a guard for token streams.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
-import httpx
 
-from gateway.bench.client import (
-    ApiUrl,
-    TargetError,
-    error_message,
-    stream_request,
-    transport_message,
-)
+from gateway.bench.client import ApiUrl, TargetError, error_message, stream_request
+from gateway.bench.h1 import Client, TransportError
 from gateway.bench.phase import LoadPoint, Phase, Ticket, arrival_gaps
 from gateway.bench.prompts import BodyOptions, Endpoint, PromptText, build_body, fit_prompts
 from gateway.bench.stats import RequestRecord
@@ -56,11 +51,11 @@ class HttpTarget:
         self._clock: Callable[[], float] = (lambda: clock() * speed) if speed != 1.0 else clock
         self._prompts = PromptText(endpoint)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        size = max_in_flight + 16  # fillers and the probe never exceed this
-        self._client = httpx.AsyncClient(
+        self._client = Client(
+            self._url.origin,
             headers=headers,
-            timeout=httpx.Timeout(10.0, read=stall_timeout_s),
-            limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+            stall_timeout_s=stall_timeout_s,
+            max_connections=max_in_flight + 16,  # fillers and the probe never exceed this
         )
 
     @property
@@ -86,16 +81,16 @@ class HttpTarget:
 
     async def _resolve_model(self) -> str:
         try:
-            response = await self._client.get(f"{self._url.api}/models")
-        except httpx.HTTPError as exc:
-            raise TargetError(f"cannot reach {self.label}: {transport_message(exc)}") from None
-        if response.status_code >= 400:
-            if self._model is not None and response.status_code == 404:
+            reply = await self._client.request("GET", f"{self._url.api_path}/models")
+        except TransportError as exc:
+            raise TargetError(f"cannot reach {self.label}: {exc}") from None
+        if reply.status >= 400:
+            if self._model is not None and reply.status == 404:
                 return self._model  # no model list; trust the user
-            message = error_message(response.status_code, response.content)
+            message = error_message(reply.status, reply.body)
             raise TargetError(f"{self._url.api}/models answered {message}")
         try:
-            served = [m["id"] for m in response.json()["data"]]
+            served = [m["id"] for m in json.loads(reply.body)["data"]]
         except (ValueError, KeyError, TypeError):
             raise TargetError(f"{self._url.api}/models did not return a model list") from None
         if self._model is None:
@@ -110,12 +105,11 @@ class HttpTarget:
         return self._model
 
     async def _count_tokens(self, prompt_part: dict[str, Any]) -> int | None:
+        body = json.dumps({"model": self._model, **prompt_part}).encode()
         try:
-            response = await self._client.post(
-                f"{self._url.root}/tokenize", json={"model": self._model, **prompt_part}
-            )
-            count = response.json().get("count") if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
+            reply = await self._client.request("POST", f"{self._url.root_path}/tokenize", body)
+            count = json.loads(reply.body).get("count") if reply.status == 200 else None
+        except (TransportError, ValueError, AttributeError):
             return None
         return int(count) if isinstance(count, int) else None
 
@@ -129,7 +123,7 @@ class HttpTarget:
         on_tokens = phase.delivered if phase is not None else (lambda n: None)
         return await stream_request(
             self._client,
-            self._url.api + path,
+            self._url.api_path + path,
             body,
             prompt_tokens=spec.prompt_tokens,
             prompt_class=spec.prompt_class,
@@ -138,6 +132,8 @@ class HttpTarget:
         )
 
     async def run_point(self, point: LoadPoint, workload: Workload, progress: Progress) -> Phase:
+        if point.kind == "concurrency":  # the first wave then leaves at once
+            await self._client.preconnect(int(point.load))
         phase = Phase(point)
         done = anyio.Event()
 

@@ -25,6 +25,8 @@ from backends.sim.tokenizer import (
 from gateway.bench.workload import RequestSpec
 
 PREFIX_TOKENS = 4  # sixteen hex digits: four tokens under the 4-bytes-per-token rule
+# text_of_tokens cycles through eight words, so seeds equal modulo 8 give the same filler.
+FILLER_VARIANTS = 8
 FIT_ROUNDS = 4
 
 
@@ -61,6 +63,7 @@ class PromptText:
     endpoint: Endpoint
     filler: dict[int, int] = field(default_factory=dict)  # fitted: target -> filler bytes
     nonce: int = field(default_factory=lambda: secrets.randbits(32))
+    fillers: dict[tuple[int, int], str] = field(default_factory=dict)  # (bytes, variant)
 
     def filler_bytes(self, target: int) -> int:
         tokens = target - self.endpoint.overhead - PREFIX_TOKENS
@@ -68,7 +71,10 @@ class PromptText:
 
     def text(self, target: int, index: int, seed: int, filler: int | None = None) -> str:
         size = self.filler_bytes(target) if filler is None else filler
-        body = text_of_tokens(-(-size // BYTES_PER_TOKEN), seed)[:size]
+        key = (size, seed % FILLER_VARIANTS)
+        body = self.fillers.get(key)
+        if body is None:  # built once per length and variant: a request is issued at once
+            body = self.fillers[key] = text_of_tokens(-(-size // BYTES_PER_TOKEN), key[1])[:size]
         return f"{self.nonce:08x}{index % 16**8:08x}" + body
 
 
