@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.disconnect import DisconnectWatch
 from gateway.errors import GatewayError, PayloadTooLarge, Unauthorized, openai_error_response
-from gateway.middleware import new_request_id
+from gateway.middleware import StampedSend, request_id_of
 from gateway.payload import REQUIRED_FIELD, parse_payload
 from gateway.protocol import ARRIVED_SCOPE_KEY
 from gateway.proxy import ProxyRequest, proxy
@@ -52,26 +52,23 @@ class ProxiedEndpoint:
         await serve_proxied(scope, receive, send)
 
 
-class Reply:
-    """The client's ``send``: stamps the request id, notes when the response is complete."""
+class Reply(StampedSend):
+    """The client's ``send``, stamped with the request id; notes when the response is
+    complete, after which a disconnect is the client being done, not leaving."""
 
-    __slots__ = ("request_id", "send", "started", "watch")
+    __slots__ = ("started", "watch")
 
     def __init__(self, send: Send, request_id: str) -> None:
-        self.send = send
-        self.request_id = request_id.encode("latin-1")
+        super().__init__(send, request_id)
         self.watch: DisconnectWatch | None = None
         self.started = False
 
     def __call__(self, message: Message) -> Awaitable[None]:
         if message["type"] == "http.response.start":
             self.started = True
-            headers = [h for h in message.get("headers", ()) if h[0].lower() != b"x-request-id"]
-            headers.append((b"x-request-id", self.request_id))
-            message["headers"] = headers
         elif not message.get("more_body", False) and self.watch is not None:
-            self.watch.finished = True  # from here a disconnect is the client being done
-        return self.send(message)
+            self.watch.finished = True
+        return super().__call__(message)
 
 
 def bearer(headers: Mapping[str, str]) -> str | None:
@@ -111,7 +108,7 @@ async def serve_proxied(scope: Scope, receive: Receive, send: Send) -> None:
     # TTFT and e2e start when the request's first bytes were read, not when this task ran.
     received = scope.get(ARRIVED_SCOPE_KEY) or time.perf_counter()
     headers = Headers(scope=scope)
-    request_id = headers.get("x-request-id", "")[:128] or new_request_id()
+    request_id = request_id_of(scope)
     reply = Reply(send, request_id)
     runtime: Runtime = scope["state"]["runtime"]
     endpoint = scope["path"]

@@ -18,9 +18,38 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_id_counter):016x}"
 
 
+def request_id_of(scope: Scope) -> str:
+    """The client's ``X-Request-ID`` (at most 128 characters), or a new one."""
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            return value.decode("latin-1")[:128] or new_request_id()
+    return new_request_id()
+
+
+class StampedSend:
+    """``send`` that puts the request id on the response, replacing any the app set.
+
+    A plain callable handing back send's awaitable: no coroutine of its own per body
+    chunk, only the start message is looked at.
+    """
+
+    __slots__ = ("request_id", "send")
+
+    def __init__(self, send: Send, request_id: str) -> None:
+        self.send = send
+        self.request_id = request_id.encode("latin-1")
+
+    def __call__(self, message: Message) -> Awaitable[None]:
+        if message["type"] == "http.response.start":
+            headers = [h for h in message.get("headers", ()) if h[0].lower() != b"x-request-id"]
+            headers.append((b"x-request-id", self.request_id))
+            message["headers"] = headers
+        return self.send(message)
+
+
 class RequestIdMiddleware:
     """Propagates the client's ``X-Request-ID`` or makes one, and returns it (the proxied
-    endpoints do the same in ``gateway/front.py``)."""
+    endpoints, which bypass this stack, do the same in ``gateway/front.py``)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -29,21 +58,4 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = ""
-        for name, value in scope["headers"]:
-            if name == b"x-request-id":
-                request_id = value.decode("latin-1")[:128]
-                break
-        request_id = request_id or new_request_id()
-        encoded = request_id.encode("latin-1")
-
-        # A plain function handing back send's awaitable: no coroutine of its own per
-        # body chunk, only the start message is looked at.
-        def send_with_id(message: Message) -> Awaitable[None]:
-            if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
-                headers.append((b"x-request-id", encoded))
-                message["headers"] = headers
-            return send(message)
-
-        await self.app(scope, receive, send_with_id)
+        await self.app(scope, receive, StampedSend(send, request_id_of(scope)))

@@ -70,6 +70,17 @@ def candidates(runtime: Runtime, pool: str, route: Route, tried: set[str]) -> li
     ]
 
 
+def least_busy(replicas: list[Replica]) -> Replica:
+    """The replica with the most headroom, for calls outside admission (``/tokenize``)."""
+    return min(replicas, key=lambda r: r.in_flight / max(1, r.limit))
+
+
+def backend_auth(replica: Replica) -> dict[str, str]:
+    """The backend's own key as a header, when it has one."""
+    key = replica.config.resolved_api_key()
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 async def _estimate(
     runtime: Runtime, payload: Mapping[str, Any], shape: PromptShape, serving: list[Replica]
 ) -> Estimate:
@@ -79,13 +90,12 @@ async def _estimate(
     if estimator.mode == "backend":
         healthy = [r for r in serving if r.healthy]
         if healthy:
-            target = min(healthy, key=lambda r: r.in_flight / max(1, r.limit))
-            key = target.config.resolved_api_key()
+            target = least_busy(healthy)
             counted = await tokenize_on_backend(
                 runtime.client,
                 target.url,
                 payload,
-                headers={"authorization": f"Bearer {key}"} if key else {},
+                headers=backend_auth(target),
                 timeout_s=estimator.tokenize_timeout_s,
             )
             if counted is not None:

@@ -212,7 +212,7 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             last_error = UpstreamError(f"backend {replica.name} answered {upstream.status_code}")
             continue
         replica.record_success()
-        extra = {"x-request-id": request.request_id, "x-kneecap-backend": replica.name}
+        extra = {"x-kneecap-backend": replica.name}  # the request id is the front's to stamp
         if streaming and upstream.status_code == 200:
             meter = StreamMeter(
                 started=request.started,

@@ -22,6 +22,7 @@ from gateway.errors import (
 )
 from gateway.front import PROXIED_PATHS, ProxiedEndpoint, bearer, client_priority
 from gateway.metrics import render
+from gateway.placement import backend_auth, least_busy
 from gateway.routing import token_limit_of
 from gateway.runtime import Runtime
 from gateway.settings import Settings
@@ -60,11 +61,8 @@ async def tokenize(request: Request) -> Response:
     healthy = [r for r in serving if r.healthy]
     if not healthy:
         raise Unavailable(f"no healthy backend serves model `{model}`")
-    replica = min(healthy, key=lambda r: r.in_flight / max(1, r.limit))
-    headers = {"content-type": "application/json"}
-    key = replica.config.resolved_api_key()
-    if key:
-        headers["authorization"] = f"Bearer {key}"
+    replica = least_busy(healthy)
+    headers = {"content-type": "application/json", **backend_auth(replica)}
     try:
         answer = await runtime.client.post(replica.url + "/tokenize", content=body, headers=headers)
     except httpx.HTTPError as exc:

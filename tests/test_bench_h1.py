@@ -128,10 +128,16 @@ async def test_cancelling_a_stream_closes_its_connection_and_frees_the_sequence(
             await task
     finally:
         await client.aclose()
+    # The server notices the closed connection.
+    await eventually(lambda: cancelled() != before, "the sequence was not cancelled")
+
+
+async def eventually(condition: Callable[[], bool], failure: str) -> None:
+    """Polls ``condition`` until it holds; fails after 10 seconds."""
     deadline = asyncio.get_running_loop().time() + 10
-    while cancelled() == before:  # the server notices the closed connection
-        assert asyncio.get_running_loop().time() < deadline, "the sequence was not cancelled"
-        await asyncio.sleep(0.02)
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, failure
+        await asyncio.sleep(0.01)
 
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -192,7 +198,7 @@ async def test_preconnected_connections_carry_a_burst() -> None:
         client = Client(url)
         try:
             await client.preconnect(4)
-            await asyncio.sleep(0.05)
+            await eventually(lambda: len(connections) >= 4, "preconnect opened too few")
             assert len(connections) == 4
             replies = await asyncio.gather(*(client.request("GET", "/") for _ in range(4)))
             assert all(r.body == b"ok" for r in replies)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -235,3 +236,11 @@ def _serves(gateway: Gateway, model: str) -> bool:
     except httpx.HTTPError:
         return False
     return model in {m["id"] for m in response.json()["data"]}
+
+
+@pytest.fixture
+def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
+    """The openai client on the test module's ``gateway`` (test_direct.py has its own,
+    on the engine)."""
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c

@@ -55,12 +55,6 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, real_vllm: RealVllm) -> It
         gw.proc.stop()
 
 
-@pytest.fixture
-def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
 class Watch:
     """Calls ``read`` over and over on its own thread until the block ends; keeps each peak.
 

@@ -49,12 +49,6 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, real_vllm: RealVllm) -> It
         gw.proc.stop()
 
 
-@pytest.fixture
-def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
 def gateway_metrics(gateway: Gateway) -> Samples:
     return scrape(gateway.url + "/metrics")
 
