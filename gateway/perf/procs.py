@@ -133,3 +133,13 @@ def cpu_seconds(pid: int | None = None) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def start_kneecap(args: list[str], port: int, log: Path, procs: list[Proc] | None = None) -> Proc:
+    """``kneecap ARGS`` on 127.0.0.1:port, ready (bounded wait); registered in ``procs``."""
+    proc = start(
+        args[0], ["gateway.cli", *args], f"http://127.0.0.1:{port}", "/health", log, core=None
+    )
+    if procs is not None:
+        procs.append(proc)
+    return proc

@@ -41,7 +41,7 @@ from backends.sim.system.report import fmt, limit_trace, outcome, pct, settling
 from backends.sim.system.sim import BackendSpec, SystemSim
 from backends.sim.tokenizer import CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_PER_REPLY, text_of_tokens
 from gateway.perf.procs import Proc, free_port
-from gateway.perf.procs import start as start_process
+from gateway.perf.procs import start_kneecap as start
 from gateway.settings import Settings
 
 MODEL = "Qwen/Qwen3-4B"
@@ -50,16 +50,6 @@ QUEUE_WAIT_S = 30.0  # the pool's default queue deadline, in simulated seconds
 _WRITTEN = "http11.send_request_body.complete"  # httpcore trace events
 _HEADERS = "http11.receive_response_headers.complete"
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def start(args: list[str], port: int, log: Path, procs: list[Proc] | None = None) -> Proc:
-    """``kneecap ARGS`` on 127.0.0.1:port, ready (bounded wait); registered in ``procs``."""
-    proc = start_process(
-        args[0], ["gateway.cli", *args], f"http://127.0.0.1:{port}", "/health", log, core=None
-    )
-    if procs is not None:
-        procs.append(proc)
-    return proc
 
 
 def gateway_config(sim_url: str, speed: float, initial: int, port: int) -> dict:

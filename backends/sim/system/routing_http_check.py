@@ -55,7 +55,7 @@ from backends.sim.system.routing_acceptance import (
 from backends.sim.system.routing_seams import KV_FRACTION, LONG_FROM
 from backends.sim.tokenizer import CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_PER_REPLY, text_of_tokens
 from gateway.perf.procs import Proc, free_port
-from gateway.perf.procs import start as start_process
+from gateway.perf.procs import start_kneecap as start
 
 MODEL = "Qwen/Qwen3-4B"
 CAPACITY = 3.11  # req/s, the virtual-time sweep's median (docs/routing-acceptance.md)
@@ -70,16 +70,6 @@ VIRTUAL = {
     "round-robin": {"short_p50": 0.07, "short_p95": 2.206, "long_p95": 4.16, "tok_s": 715,
                     "short_shed": 0, "long_shed": 0, "long_n": 215},
 }  # fmt: skip
-
-
-def start(args: list[str], port: int, log: Path, procs: list[Proc] | None = None) -> Proc:
-    """``kneecap ARGS`` on 127.0.0.1:port, ready (bounded wait); registered in ``procs``."""
-    proc = start_process(
-        args[0], ["gateway.cli", *args], f"http://127.0.0.1:{port}", "/health", log, core=None
-    )
-    if procs is not None:
-        procs.append(proc)
-    return proc
 
 
 def _common(port: int, speed: float) -> dict:
