@@ -25,7 +25,7 @@ from gateway.errors import GatewayError, NotFound, error_body, openai_error_resp
 from gateway.front import Front
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestIdMiddleware
-from gateway.recording import Recorder
+from gateway.recording import SETTLE_S, Recorder
 from gateway.routes import ROUTES
 from gateway.runtime import Runtime, Snapshot
 from gateway.settings import Settings
@@ -103,7 +103,7 @@ def create_app(
             current=Snapshot.build(settings, None, urls),
             client=client,
             transport=transport,
-            recorder=Recorder(GatewayMetrics(registry)),
+            recorder=Recorder(GatewayMetrics(registry), settle_s=SETTLE_S),
             metrics_registry=registry,
             config_path=Path(config_path) if config_path else None,
             sim_urls=urls,
@@ -136,6 +136,7 @@ def create_app(
                 group.cancel_scope.cancel()
                 with anyio.CancelScope(shield=True):
                     await client.aclose()
+                runtime.recorder.flush()
 
     return Front(
         Starlette(

@@ -2,19 +2,37 @@
 
 Called once per request, at its end (never per chunk). The clock is the
 relay's: ``time.perf_counter``, monotonic, the same one the meter timed with.
+
+The end is stamped at once, but the bookkeeping (histograms, windows, the recent
+list) runs a moment later, in batches. A closed-loop client sends its next
+request the instant the last byte of its previous answer arrives; done in line,
+that bookkeeping (~0.2 ms with cold caches) ran between the gateway's last write
+and its next read, and the next request waited for it (measured: send → parse
+p50 0.43 ms instead of 0.24). Whoever reads the measurements (``/metrics``,
+``/admin/*``, the limit controllers' tick, shutdown) calls :meth:`Recorder.flush`
+first, so nothing ever reads a stale figure.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from backends.replica import Replica
 from gateway.meter import StreamMeter, Usage
 from gateway.metrics import GatewayMetrics
 from gateway.record import RejectReason, RequestRecord, RequestStatus
+
+log = logging.getLogger("kneecap")
+
+# Long enough that a client's next request is read first, short enough that a batch
+# stays small (at 5,000 requests/s: ~10 records, well under a millisecond).
+SETTLE_S = 0.002
 
 
 @dataclass(slots=True)
@@ -29,15 +47,30 @@ class Flight:
     admitted: float = 0.0  # admission to a backend, perf_counter
 
 
+class _Finished(NamedTuple):
+    flight: Flight
+    replica: Replica
+    status: RequestStatus
+    meter: StreamMeter | None
+    usage: Usage | None
+    finish_reason: str | None
+    end: float  # perf_counter when the request ended
+
+
 class Recorder:
     def __init__(
         self,
         metrics: GatewayMetrics,
         clock: Callable[[], float] = time.perf_counter,
         keep_recent: int = 256,
+        settle_s: float | None = None,
     ) -> None:
+        """``settle_s``: record that long after the end, in a batch; None: at once."""
         self.metrics = metrics
         self.clock = clock
+        self.settle_s = settle_s
+        self._pending: list[_Finished] = []
+        self._timer: asyncio.TimerHandle | None = None
         # The last requests, for GET /admin/requests: what one request actually measured.
         self.recent: deque[RequestRecord] = deque(maxlen=keep_recent)
 
@@ -51,7 +84,33 @@ class Recorder:
         usage: Usage | None = None,
         finish_reason: str | None = None,
     ) -> None:
-        end = self.clock()
+        finished = _Finished(flight, replica, status, meter, usage, finish_reason, self.clock())
+        if self.settle_s is None:
+            self._record(finished)
+            return
+        self._pending.append(finished)
+        if self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._timer = loop.call_later(self.settle_s, self.flush)
+
+    def flush(self) -> None:
+        """Record every finished request now."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        pending, self._pending = self._pending, []
+        for finished in pending:
+            try:
+                self._record(finished)
+            except Exception:  # one bad record must not lose the others
+                log.exception("recording request %s failed", finished.flight.request_id)
+
+    def _record(self, finished: _Finished) -> None:
+        flight, replica, status, meter, usage, finish_reason, end = finished
         if meter is not None:
             usage = meter.usage
             finish_reason = meter.finish_reason

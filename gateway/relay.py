@@ -113,9 +113,12 @@ class StreamRelay:
         except OSError:
             pass  # ASGI ≥ 2.4: a send to a closed client
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()
-                self.finish(self._end or end)
+            # The common path closes without waiting: no shielded scope to enter, which
+            # with cold caches cost ~40 µs between the last write and the next read.
+            if not self.upstream.close_nowait():
+                with anyio.CancelScope(shield=True):
+                    await self.upstream.aclose()
+            self.finish(self._end or end)
 
     async def _pump(self, send: Send) -> None:
         meter = self.meter

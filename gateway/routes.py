@@ -129,6 +129,7 @@ def backend_view(replica: Replica, now: float, mono: float, settings: Settings) 
 async def admin_state(request: Request) -> Response:
     require_admin(request)
     runtime = runtime_of(request)
+    runtime.recorder.flush()
     now, mono = time.perf_counter(), time.monotonic()
     settings = runtime.current.settings
     backends = [backend_view(r, now, mono, settings) for r in runtime.current.backends.replicas]
@@ -150,7 +151,9 @@ async def admin_requests(request: Request) -> Response:
     limit = request.query_params.get("limit", "50")
     if not limit.isdigit():
         raise InvalidRequest("limit must be a non-negative integer", param="limit")
-    recent = list(runtime_of(request).recorder.recent)[-int(limit) :] if int(limit) else []
+    recorder = runtime_of(request).recorder
+    recorder.flush()
+    recent = list(recorder.recent)[-int(limit) :] if int(limit) else []
     return JSONResponse({"requests": [r.summary() for r in recent]})
 
 

@@ -108,6 +108,7 @@ class Runtime:
 
     def control_tick(self) -> None:
         """One round of limit control; queued requests retry when a limit rose."""
+        self.recorder.flush()  # the windows the controllers read
         now, mono = time.perf_counter(), time.monotonic()
         staleness = self.current.settings.measurement.scrape_staleness_s
 
@@ -140,6 +141,7 @@ class Runtime:
 
     def refresh_gauges(self) -> None:
         """Live state → gauges; run before each exposition, so requests pay nothing."""
+        self.recorder.flush()
         now = time.perf_counter()
         mono = time.monotonic()
         staleness = self.current.settings.measurement.scrape_staleness_s

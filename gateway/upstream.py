@@ -196,10 +196,15 @@ class _Body(httpx.AsyncByteStream):
         except httpcore.RemoteProtocolError as exc:
             raise httpx.RemoteProtocolError(str(exc)) from exc
 
-    async def aclose(self) -> None:
+    def close_nowait(self) -> bool:
+        """Gives the connection back (to the pool, or closed) at once; never waits."""
         if not self._released:
             self._released = True
             self._pool._release(self._conn)
+        return True
+
+    async def aclose(self) -> None:
+        self.close_nowait()
 
 
 class _HttpxBody:
@@ -210,6 +215,9 @@ class _HttpxBody:
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._response.aiter_raw()
+
+    def close_nowait(self) -> bool:
+        return False  # httpx's close must be awaited
 
     async def aclose(self) -> None:
         await self._response.aclose()
@@ -236,6 +244,10 @@ class UpstreamResponse:
 
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self._body])
+
+    def close_nowait(self) -> bool:
+        """Closes the body now when that needs no waiting (the plain-HTTP path)."""
+        return self._body.close_nowait()
 
     async def aclose(self) -> None:
         await self._body.aclose()
