@@ -1,6 +1,6 @@
 """Issue 6's acceptance, on the whole-system simulation: every number, one command.
 
-    python -m backends.sim.system.acceptance [--quick]
+    python -m backends.sim.system.acceptance [--quick] [--seed S]
 
 Workload (fixed): ``qwen3-4b/l40s/bf16/vllm``, 1,024-token prompts and 2,816-token
 outputs (ignore_eos) -- the simulator's calibration workload, the one that
@@ -20,7 +20,7 @@ first halves of (b) and (c).
 (b) overload: Poisson arrivals at 2x the knee's capacity (its steady output
     rate in (a) over 2,816 tokens); the knee, every static limit of a sweep
     (refined around the best to within 4), and no admission at all, all under
-    the same arrivals (seed 0), duration, queue deadline, and measured over the
+    the same arrivals (seed 0, or --seed), duration, queue deadline, and measured over the
     same span after a 300 s warm-up (the knee's start-up ramp is over by then;
     static limits start full, with no ramp to pay). Goodput: output tokens/s of
     requests whose own first token came within the SLO of their admission (per
@@ -42,6 +42,7 @@ first halves of (b) and (c).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import statistics
 import sys
@@ -80,6 +81,7 @@ class Plan:
     drift_s: float
     budget_statics: tuple[int, ...] = (32, 40, 48, 56, 64)
     closed_statics: tuple[int, ...] = (40, 48, 56, 60, 64)
+    seed: int = 0  # of (b)'s arrivals and engines and of (c)'s clients; (a) runs `seeds`
 
 
 FULL = Plan((0, 1, 2, 3, 4), 600.0, 900.0, 300.0, (24, 32, 40, 48, 56, 64, 72, 80, 88, 96), 600)
@@ -217,7 +219,8 @@ def compare(
     duration, warm-up, seed and queue deadline; measured over [warm-up, end)."""
 
     def run(limit: LimitConfig) -> Outcome:
-        return outcome(open_loop(limit, rate, plan, admits=admits), plan.warmup_s, plan.overload_s)
+        sim = open_loop(limit, rate, plan, plan.seed, admits=admits)
+        return outcome(sim, plan.warmup_s, plan.overload_s)
 
     k = run(knee(4))
     found = sweep(lambda n: run(StaticLimitConfig(initial=n)), statics)
@@ -252,11 +255,11 @@ def overload(plan: Plan, knee_rate: float, out: Callable[[str], None]) -> None:
     out(
         "Goodput: output tokens/s, over the measured span, of requests whose first token "
         f"came within {SLO_S} s of their admission (queue wait reported apart). Every row: "
-        "the same arrivals (seed 0), duration, warm-up and 30 s queue deadline.\n"
+        f"the same arrivals (seed {plan.seed}), duration, warm-up and 30 s queue deadline.\n"
     )
     out("### Admission by the request limit alone (issue 6's permits)\n")
     alone = compare(plan, rate, within_limit, plan.statics, out)
-    straight = outcome(open_loop(None, rate, plan), t0, t1)
+    straight = outcome(open_loop(None, rate, plan, plan.seed), t0, t1)
     out(_row("none (straight to the engine)", straight, _graced(straight)))
     k = alone.knee
     ttft_ok = k.ttft_p95 is not None and k.ttft_p95 <= SLO_S
@@ -282,7 +285,7 @@ def overload(plan: Plan, knee_rate: float, out: Callable[[str], None]) -> None:
     out("| static | p95 TTFT | tok/s | goodput tok/s |")
     out("|---:|---:|---:|---:|")
     for n in plan.closed_statics:
-        sim = closed_loop(StaticLimitConfig(initial=n), plan.converge_s, 0)
+        sim = closed_loop(StaticLimitConfig(initial=n), plan.converge_s, plan.seed)
         o = outcome(sim, plan.converge_s / 2, plan.converge_s)
         out(f"| {n} | {fmt(o.ttft_p95, ' s')} | {o.throughput:,.0f} | {o.goodput:,.0f} |")
     out(
@@ -324,12 +327,16 @@ def _drift_table(plan: Plan, admits: Admits, name: str, out: Callable[[str], Non
     out("|---|---:|---:|---:|---|---|")
     traces, verdicts = {}, []
     for profile in DRIFT_PROFILES:
-        fresh = limit_trace(closed_loop(knee(4), DRIFT_AT_S, 0, profile, admits=admits))
+        fresh = limit_trace(closed_loop(knee(4), DRIFT_AT_S, plan.seed, profile, admits=admits))
         level = statistics.median(fresh[120:])
         sim = SystemSim(
-            [BackendSpec("b0", PROFILE)], limit=knee(4), admits=admits, ttft_slo_s=SLO_S
+            [BackendSpec("b0", PROFILE)],
+            limit=knee(4),
+            admits=admits,
+            ttft_slo_s=SLO_S,
+            seed=plan.seed,
         )
-        ClosedLoop(sim, CLIENTS, SHAPE, start_spread_s=2.0)
+        ClosedLoop(sim, CLIENTS, SHAPE, start_spread_s=2.0, seed=plan.seed)
         sim.at(DRIFT_AT_S, lambda sim=sim, p=profile: sim.replace_engine("b0", p))
         sim.run(plan.drift_s)
         trace = limit_trace(sim)
@@ -358,8 +365,11 @@ def _drift_table(plan: Plan, admits: Admits, name: str, out: Callable[[str], Non
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one seed, shorter runs")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the overload's arrivals and the drift runs"
+    )
     args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
+    plan = dataclasses.replace(QUICK if args.quick else FULL, seed=args.seed)
     started = time.perf_counter()
 
     def out(line: str) -> None:
