@@ -98,6 +98,7 @@ class StreamRelay:
         # Set once the upstream body is over, before the last send: the client may
         # hang up the moment it has the last byte, and that is not a disconnect.
         self._end: StreamEnd | None = None
+        self._finished = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         end = StreamEnd("client_closed", self.meter)
@@ -113,12 +114,18 @@ class StreamRelay:
         except OSError:
             pass  # ASGI ≥ 2.4: a send to a closed client
         finally:
-            # The common path closes without waiting: no shielded scope to enter, which
-            # with cold caches cost ~40 µs between the last write and the next read.
-            if not self.upstream.close_nowait():
-                with anyio.CancelScope(shield=True):
-                    await self.upstream.aclose()
-            self.finish(self._end or end)
+            if not self._finished:
+                await self._close_and_finish(self._end or end)
+
+    async def _close_and_finish(self, end: StreamEnd) -> None:
+        """Give the upstream connection and the backend's permit back, once."""
+        self._finished = True
+        # The common path closes without waiting: no shielded scope to enter, which
+        # with cold caches cost ~40 µs.
+        if not self.upstream.close_nowait():
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+        self.finish(end)
 
     async def _pump(self, send: Send) -> None:
         meter = self.meter
@@ -147,5 +154,9 @@ class StreamRelay:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         self._end = StreamEnd("upstream_error" if meter.upstream_error else "ok", meter)
+        # The backend is done, so its permit goes back before the last write rather than
+        # after: a closed-loop client sends its next request the instant that write lands,
+        # and it used to wait for this bookkeeping (~0.1 ms with cold caches).
+        await self._close_and_finish(self._end)
         tail = framer.pending if strip else b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})
