@@ -61,6 +61,7 @@ def _print_banner(settings: Settings, host: str, port: int, sims: Sequence[objec
 
 
 def _sim(args: argparse.Namespace) -> int:
+    from backends.sim.arrival import HTTP_PROTOCOL
     from backends.sim.factory import make_engine
     from backends.sim.server import create_sim_app
     from gateway.serving import server_config
@@ -89,7 +90,8 @@ def _sim(args: argparse.Namespace) -> int:
         f"kneecap sim: {args.model} ({what}, speed {args.speed}x) on http://{args.host}:{args.port}",
         flush=True,
     )
-    server = uvicorn.Server(server_config(create_sim_app(engine, args.model), args.host, args.port))
+    app = create_sim_app(engine, args.model)
+    server = uvicorn.Server(server_config(app, args.host, args.port, http=HTTP_PROTOCOL))
     try:
         server.run()
     except KeyboardInterrupt:

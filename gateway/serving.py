@@ -16,6 +16,7 @@ import anyio
 import uvicorn
 from starlette.types import ASGIApp
 
+from backends.sim.arrival import HTTP_PROTOCOL
 from backends.sim.factory import make_engine
 from backends.sim.server import create_sim_app
 from gateway.settings import BackendConfig
@@ -72,6 +73,7 @@ def build_embedded_sims(
                 create_sim_app(engine, backend.models[0] if backend.models else "Qwen/Qwen3-4B"),
                 host,
                 port,
+                http=HTTP_PROTOCOL,  # requests arrive at the engine when their bytes did
             )
         )
         sims.append(EmbeddedSim(backend.name, f"http://{host}:{port}", server))

@@ -62,7 +62,9 @@ class AsyncEngine(Protocol):
     flavor: EngineFlavor
     max_model_len: int
 
-    def generate(self, request: GenerationRequest) -> TokenIterator: ...
+    def generate(self, request: GenerationRequest, arrival: float | None = None) -> TokenIterator:
+        """Start ``request``, which arrived at ``arrival`` (``time.monotonic``; None: now)."""
+        ...
 
     def stats(self) -> EngineStats: ...
 

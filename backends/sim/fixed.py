@@ -47,15 +47,17 @@ class FixedLatencyEngine:
     async def aclose(self) -> None:
         return None
 
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
+    async def generate(
+        self, request: GenerationRequest, arrival: float | None = None
+    ) -> AsyncGenerator[TokenEvent, None]:
         counters = self._counters
         counters.running += 1
         counters.prompt_tokens_total += request.prompt_tokens
-        arrival = last = time.monotonic()
+        arrival = last = time.monotonic() if arrival is None else arrival
         finished = False
         try:
-            if self.ttft_s:
-                await anyio.sleep(self.ttft_s)
+            if self.ttft_s:  # counted from the arrival, as a real engine's clock would
+                await anyio.sleep(max(0.0, arrival + self.ttft_s - time.monotonic()))
             final = request.max_tokens - 1
             for index in range(request.max_tokens):
                 if index and self.itl_s:

@@ -9,12 +9,25 @@ engine clock whatever the wall clock does: a loop that woke late completes
 the overdue steps at their own times, back to back, so lag delays delivery
 but never stretches the modelled GPU. The sleep is a kernel timer
 (:class:`KernelTimer`): the loop's own are millisecond-coarse, an error the
-speed-up multiplies. Waking from it still takes a while on a quiet machine
-(a tenth of a millisecond on a VM), so each sleep ends early by the lateness
-recently seen, and the rest (at most :data:`MAX_LEAD_S`) is polled. For the
-same reason an engine faster than real time that runs out of work polls for
-:data:`IDLE_POLL_S` before it sleeps: a closed-loop client's next request is
-usually already on its way, and a sleeping core would meet it late.
+speed-up multiplies. Waking from it still takes a while (a tenth of a
+millisecond on a quiet VM, milliseconds now and then on a busy one), so each
+sleep ends early by a lead and the rest is polled. The lead follows the
+:data:`LEAD_QUANTILE` quantile of the lateness seen, not its mean: the figures
+that must agree are 95th percentiles, and a mean lead leaves half the wakes
+late. It is bounded by :data:`MAX_LEAD_S` and by :data:`MAX_POLL_SHARE` of each
+sleep, so a busy machine costs the engine at most that share of a core (an
+engine that polled everything would also trip the kernel's real-time
+throttling under ``--realtime``: a 50 ms stall). For the same reason an engine
+faster than real time that runs out of work polls for :data:`IDLE_POLL_S`
+before it sleeps: a closed-loop client's next request is usually already on
+its way, and a sleeping core would meet it late.
+
+A request joins the engine as of its arrival (the moment its bytes came, see
+:mod:`backends.sim.arrival`), not of the moment its handler submits it: an
+idle engine starts its prefill from then, and a step that ended meanwhile is
+completed first. For the same reason a step's end waits :data:`ARRIVAL_GRACE`
+turns of the event loop, so that a request whose bytes came before it, but
+whose handler has not run yet, still joins the next step.
 
 Each request gets an async iterator of :class:`TokenEvent`. Closing it
 before the last token (the client went away) cancels the sequence and frees
@@ -39,8 +52,19 @@ from backends.sim.engine_metrics import EngineTimings, render_metrics
 from backends.sim.profiles import Profile, get_profile
 from backends.sim.virtual import VirtualEngine
 
-# The most a step's end is polled for rather than slept through (wall seconds).
-MAX_LEAD_S = 0.0005
+# The most a step's end is polled for rather than slept through (wall seconds) ...
+MAX_LEAD_S = 0.002
+# ... and the largest share of a sleep that may be polled instead.
+MAX_POLL_SHARE = 0.5
+# A shorter sleep would be all wake-up: the step's end is polled for instead.
+MIN_SLEEP_S = 0.00005
+# Loop turns a step's end waits for requests that arrived before it: bytes read by the
+# last poll (their handlers run in the next turn) and bytes still unread (the turn after).
+ARRIVAL_GRACE = 2
+# The lead is this quantile of the wake-up lateness: so many wakes come in time.
+LEAD_QUANTILE = 0.98
+# How far one wake moves the lead (a stochastic quantile estimate's step, seconds).
+LEAD_STEP_S = 0.00005
 # Faster than real time, how long an engine that ran out of work polls before it sleeps.
 IDLE_POLL_S = 0.001
 
@@ -219,7 +243,7 @@ class RealtimeEngine:
         self._open: dict[str, TokenStream] = {}  # requests not finished yet
         self._cancelled = 0
         self._timer: KernelTimer | None = None  # while running, where there is one
-        self._lead = 0.0  # how early sleeps end: the loop's recent wake-up lateness
+        self._lead = 0.0  # how early sleeps end: a high quantile of the wake-up lateness
         self._later: list[TokenStream] = []  # streams to wake once the step is complete
         self._idle_poll = IDLE_POLL_S if speed > 1 else 0.0
         self.max_model_len = profile.model.max_context
@@ -227,9 +251,19 @@ class RealtimeEngine:
     def engine_time(self) -> float:
         return (self._clock() - self._origin) * self.speed
 
-    def generate(self, request: GenerationRequest) -> TokenStream:
-        """Submit now; ValueError at once if the request can never run."""
-        self._sync()
+    def generate(self, request: GenerationRequest, arrival: float | None = None) -> TokenStream:
+        """Submit a request that arrived at ``arrival`` (this engine's clock; None: now).
+
+        It joins the engine as of its arrival, not of this call: the steps that
+        ended before it are completed first, and an idle engine starts its
+        prefill from then. Time the engine has already spent (a step it planned
+        meanwhile) stays spent: the request then arrives at the engine's time.
+        ValueError at once if the request can never run.
+        """
+        now = self.engine_time()
+        at = now if arrival is None else min(now, (arrival - self._origin) * self.speed)
+        self._core.advance_to(at)
+        self._wake_later()
         stream = TokenStream(self, request.request_id, self._timings, self._core.now)
         self._core.submit(request, stream)
         self._open[request.request_id] = stream
@@ -274,7 +308,7 @@ class RealtimeEngine:
         started = self._clock()
         await (self._timer.sleep(seconds) if self._timer else asyncio.sleep(seconds))
         late = self._clock() - started - seconds
-        self._lead = min(MAX_LEAD_S, max(0.0, self._lead + (late - self._lead) / 8))
+        self._lead = next_lead(self._lead, late)
 
     def _sync(self) -> None:
         """Bring the engine clock to now, completing any step that is overdue."""
@@ -289,6 +323,8 @@ class RealtimeEngine:
     async def _run(self) -> None:
         core = self._core
         idle_since: float | None = None
+        slept_until: float | None = None  # the step end last slept towards: now poll for it
+        grace = ARRIVAL_GRACE
         while True:
             end = core.next_time()
             if end is None:
@@ -302,14 +338,33 @@ class RealtimeEngine:
                 continue
             idle_since = None
             wait = (end - self.engine_time()) / self.speed  # wall seconds to the step's end
-            if wait > self._lead:
-                await self._sleep(wait - self._lead)
+            if wait <= 0:
+                if grace:  # requests whose bytes came before the step's end join the next
+                    grace -= 1
+                    await asyncio.sleep(0)
+                    continue
+                core.advance()
+                self._wake_later()
                 continue
-            if wait > 0:
-                await asyncio.sleep(0)  # the last moment before the step ends: poll
-                continue
-            core.advance()
-            self._wake_later()
+            if end != slept_until:  # a step not waited for yet
+                slept_until = end
+                grace = ARRIVAL_GRACE
+                sleep = wait - min(self._lead, wait * MAX_POLL_SHARE)
+                if sleep > MIN_SLEEP_S:
+                    await self._sleep(sleep)
+                    continue
+            await asyncio.sleep(0)  # the last moment before the step ends: poll
+
+
+def next_lead(lead: float, late: float) -> float:
+    """The lead after a wake ``late`` seconds late: it settles where a share
+    :data:`LEAD_QUANTILE` of the wakes comes in time (up a large step when one
+    is later than the lead, down a small one when it is not)."""
+    if late > lead:
+        lead += LEAD_STEP_S * LEAD_QUANTILE
+    else:
+        lead -= LEAD_STEP_S * (1.0 - LEAD_QUANTILE)
+    return min(MAX_LEAD_S, max(0.0, lead))
 
 
 def build_engine(

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.sim import wire
+from backends.sim.arrival import arrival_of
 from backends.sim.base import AsyncEngine, GenerationRequest, TokenIterator
 from backends.sim.tokenizer import count_chat_tokens, count_text_tokens
 
@@ -73,7 +74,8 @@ class _Completions:
         body = await _read_body(receive)
         if body is None:
             return  # the client went away before sending its request
-        started = self._start(body, chat=scope["path"].endswith("/chat/completions"))
+        chat = scope["path"].endswith("/chat/completions")
+        started = self._start(body, chat, arrival_of(scope))
         if isinstance(started, Response):
             await started(scope, receive, send)
         elif started.stream:
@@ -81,8 +83,8 @@ class _Completions:
         else:
             await (await self._complete(started))(scope, receive, send)
 
-    def _start(self, body: bytes, chat: bool) -> _Generation | Response:
-        """Check the request and submit it to the engine (it arrives now)."""
+    def _start(self, body: bytes, chat: bool, arrival: float | None) -> _Generation | Response:
+        """Check the request and submit it to the engine, arriving when its bytes did."""
         payload = _payload(body, self._model)
         if isinstance(payload, Response):
             return payload
@@ -115,7 +117,7 @@ class _Completions:
             seed=seed,
         )
         try:
-            tokens = self._engine.generate(gen)
+            tokens = self._engine.generate(gen, arrival)
         except ValueError as exc:  # can never fit this engine's KV cache
             return _error(str(exc), 400)
         options = payload.get("stream_options") or {}
