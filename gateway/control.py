@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from backends.replica import Replica
+from backends.replica import EngineGauges, Replica
 from policies.base import LimitController, Sample
 from policies.registry import LimitConfig, build_controller, reconfigure
 
@@ -20,8 +20,10 @@ from policies.registry import LimitConfig, build_controller, reconfigure
 MIN_LATENCY_SAMPLES = 5
 
 
-def sample_of(replica: Replica, now: float, engine_waiting: int | None, demand: int) -> Sample:
+def sample_of(replica: Replica, now: float, engine: EngineGauges | None, demand: int) -> Sample:
+    """``engine``: the engine's own gauges if freshly scraped, else None."""
     stats = replica.window.stats(now)
+    waiting = None if engine is None or engine.waiting is None else int(engine.waiting)
     enough = stats.ttft_samples >= MIN_LATENCY_SAMPLES
     return Sample(
         now=now,
@@ -30,8 +32,9 @@ def sample_of(replica: Replica, now: float, engine_waiting: int | None, demand: 
         output_tokens_per_s=stats.output_tokens_per_s,
         in_flight=replica.in_flight,
         completed=stats.completed,
-        engine_waiting=engine_waiting,
+        engine_waiting=waiting,
         demand=demand,
+        engine_kv_usage=None if engine is None else engine.kv_usage,
     )
 
 
@@ -65,7 +68,7 @@ class LimitLoop:
         self,
         replicas: Iterable[Replica],
         now: float,
-        engine_waiting_of: Callable[[Replica], int | None],
+        engine_of: Callable[[Replica], EngineGauges | None],
         demand_of: Callable[[Replica], int],
     ) -> bool:
         """Feed every controller one sample; True when some limit went up."""
@@ -74,7 +77,7 @@ class LimitLoop:
             control = self._controls.get(replica.name)
             if control is None:
                 continue
-            sample = sample_of(replica, now, engine_waiting_of(replica), demand_of(replica))
+            sample = sample_of(replica, now, engine_of(replica), demand_of(replica))
             limit = control.controller.update(sample)
             raised |= limit > replica.limit
             replica.limit = limit

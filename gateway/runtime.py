@@ -18,7 +18,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from backends.pool import BackendSet
-from backends.replica import Replica
+from backends.replica import EngineGauges, Replica
 from gateway.control import LimitLoop
 from gateway.metrics import GatewayMetrics
 from gateway.recording import Recorder
@@ -112,15 +112,14 @@ class Runtime:
         now, mono = time.perf_counter(), time.monotonic()
         staleness = self.current.settings.measurement.scrape_staleness_s
 
-        def engine_waiting(replica: Replica) -> int | None:
-            engine = replica.fresh_engine(mono, staleness)
-            return None if engine is None or engine.waiting is None else int(engine.waiting)
+        def engine_of(replica: Replica) -> EngineGauges | None:
+            return replica.fresh_engine(mono, staleness)  # stale figures mislead
 
         def demand(replica: Replica) -> int:
             admission = self.admissions.get(replica.pool)
             return admission.depth() if admission else 0
 
-        if self.limits.tick(self.current.backends.replicas, now, engine_waiting, demand):
+        if self.limits.tick(self.current.backends.replicas, now, engine_of, demand):
             self.notify()
 
     @property

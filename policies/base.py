@@ -29,6 +29,9 @@ class Sample:
     completed: int  # requests finished within the window
     engine_waiting: int | None  # the engine's own num_requests_waiting, if scraped
     demand: int  # requests queued for this backend's pool (unmet demand)
+    # The engine's KV cache in use, 0..1 (vLLM kv_cache_usage_perc, SGLang
+    # token_usage), if scraped: what the running streams hold, whatever their age.
+    engine_kv_usage: float | None = None
 
 
 class LimitController(Protocol):

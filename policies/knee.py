@@ -12,8 +12,11 @@ For ``b`` linear in c the marginal permit yields ``a / y(c)`` of an average
 permit's throughput: a stream's slowdown against decoding alone *is* the
 marginal-throughput signal, and it is read from every window rather than from
 two noisy windowed rates taken at two limits minutes apart. The gateway's
-window gives ``y = running / tokens_per_s``; ``a`` (``solo``) is measured
-once, at the low concurrency a fresh start begins with.
+window gives ``y = running / tokens_per_s``; ``solo`` is measured once, at the
+low concurrency a fresh start begins with. ``b`` grows with the KV a stream
+holds, which grows with its age: where the engine's KV cache usage is scraped,
+y is a line in the KV held, not in the streams, and ``a`` comes out exact
+whatever the streams' ages.
 
 Every sample (L = limit, c = in_flight, W = engine_waiting, S = settle_s)::
 
@@ -27,12 +30,19 @@ Every sample (L = limit, c = in_flight, W = engine_waiting, S = settle_s)::
              preempted sequences count as waiting while they are prefilled again)
          SLO breach, pressure > 1             -> it held H = c, too slowly
        ceiling C = min(C, H), forgotten ceiling_ttl_s after the last objection, or
-       breach_ttl_s after a breach within 2 S of a raise (the burst of prefills a
-       raise admits can breach by itself);
+       breach_ttl_s after a breach within 2 S of a raise with c above the limit
+       before the raise (the burst of prefills a raise admits can breach by itself;
+       at or below that level the raise admitted nothing: an L4 redeployed 5 s
+       after a raise, its retries held at 17 by the token budget, breaches by
+       itself, and read as the raise's it got the margin below 17, 14);
+       a breach the window still holds within S of the cut it caused keeps the
+       margin it was given (at the level the cut set, c = L, it would otherwise read
+       as an objection at a level the limit holds);
        at most once per S (a window still holds a breach for a while):
          L = max(L / 2, min((1 - margin) * H, c / pressure))  if that is < L
              (the c / pressure term only for a breach)
-       two exceptions, neither while the engine queues nor within 2 S of a raise:
+       two exceptions, neither while the engine queues nor within 2 S of a raise
+       (as above):
          turnover: a breach within 2 S of a window in which at least c / 4 requests
              completed, more than 4 times as many as in the window S before, is that
              of clients that finished together coming back together: their prefills
@@ -56,14 +66,27 @@ Every sample (L = limit, c = in_flight, W = engine_waiting, S = settle_s)::
          solo    = y at running = c0, measured at the first level of a fresh start
                    (busy and steady), again whenever c <= solo_level; a y below solo
                    at a higher c (a faster backend) replaces it, with c0 = 0
-         k       = a / b * (1 / marginal_fraction - 1), with b and a from the line
-                   through (c0, solo) and (running, y): b = (y - solo) / (running - c0),
-                   a = solo - b * c0; the c at which y = a / marginal_fraction.
+         u       = the engine's KV cache usage, mean over the same samples (None
+                   unless every one of them had it); u0 = u at the solo window
+         k       = a / b * (1 / marginal_fraction - 1), the c at which
+                   y = a / marginal_fraction, a and b from the KV line through
+                   (u0, solo) and (u, y): slope s = (y - solo) / (u - u0),
+                   a = solo - s * u0, b = s * u / running (the KV the average stream
+                   holds now, at its age now). Without u or u0 (no engine /metrics),
+                   the line through (c0, solo) and (running, y): b = (y - solo) /
+                   (running - c0), a = solo - b * c0, which takes every stream to hold
+                   the same KV at every age. solo is measured on young streams (their
+                   KV little more than the prompt): 14.3 ms a token where a steady 4 in
+                   flight run 14.9, so that line puts a low and K at ~40 where the
+                   static sweep's line gives ~44; the KV line holds 39-46.
                    Capped at 2 * running: a capped k is only a floor of the knee
        steady windows (in_flight within +-steady_tolerance) feed
          K = EWMA of k, time constant knee_smoothing_s when k > K,
              * down_speedup when k < K, * queueing_slowdown while the KV cache is
              full (its requests are the oldest, the slowest there will be);
+             (a closed loop's cohorts age together: k rises as one turns over and
+             falls as it ages; slow to rise and quick to fall keeps K near the
+             aged cohort's, below the KV cliff);
              before a first uncapped k, K is the highest floor (it may raise L,
              never lower it)
        and the drift check: a stable stretch of y (S of samples within
@@ -104,8 +127,8 @@ Every sample (L = limit, c = in_flight, W = engine_waiting, S = settle_s)::
                                        (and one carried onto a slower backend, rule 2)
          L < G * (1 - deadband)                         -> L = min(G, L * (1 + max_step))
          otherwise                                      -> hold
-       On reload a knee controller hands its measured solo to its successor, which
-       starts at the carried limit without ramp or solo phase.
+       On reload a knee controller hands its measured solo (with its c0 and u0) to
+       its successor, which starts at the carried limit without ramp or solo phase.
 
 Why so: the estimate reacts within one window and needs no probing, so there
 is no sawtooth; the deadband and the smoothing keep the limit still while
@@ -127,16 +150,19 @@ Defaults and why:
   marginal_fraction 0.35: stop where a stream decodes at about a third of its solo
       speed, the marginal permit bringing about a third of an average one. The seed
       figures' step from 32 to 64 in flight brings 5.4 tok/s per permit against 34 at
-      32 (0.16): far past it; on the simulated L40S this lands at 35-40 in flight.
+      32 (0.16): far past it; on the simulated L40S this lands at 39-46 in flight.
       Lower buys throughput with slower streams: 90 % of the goodput of the best
-      static limit under 2x Poisson overload (84 in flight, at the KV-cache cliff
-      of staggered requests) would need about 0.26 or less, which puts the limit
-      under 128 closed-loop clients at 47-52, settling only after 160-320 s (README,
-      "Acceptance")
+      static limit under 2x Poisson overload with the request limit alone (80 in
+      flight, at the KV-cache cliff of staggered requests) would need about 0.26 or
+      less, which puts the limit under 128 closed-loop clients at 47-52, settling
+      only after 160-320 s (README, "Acceptance")
   margin 0.2: 20 % below where the backend objected leaves a fifth of the KV cache
       for requests that are still growing
-  knee_smoothing_s 30, down_speedup 0.5, queueing_slowdown 2, deadband 0.1,
-      max_step 0.5, steady_tolerance 0.1, busy_fraction 0.9
+  knee_smoothing_s 60, down_speedup 0.25 (60 s on rises, 15 s on falls; with the KV
+      line, 30 s on rises let K follow young cohorts up: 4 of the 10 convergence runs
+      settled only after 330-570 s),
+      queueing_slowdown 2, deadband 0.1, max_step 0.5, steady_tolerance 0.1,
+      busy_fraction 0.9
   settle_s 5 s (keep it >= the gateway's sample window), ramp_per_s 4 and
       solo_level 4 (four 1K-token prefills are ~0.2 s on an L40S; four streams decode
       within ~10 % of one alone)
@@ -147,7 +173,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import Field
 
@@ -163,8 +189,8 @@ class KneeLimitConfig(LimitBounds):
     itl_p95_slo: float = Field(default=0.15, gt=0)
     marginal_fraction: float = Field(default=0.35, gt=0, lt=1)
     margin: float = Field(default=0.2, ge=0, lt=1)
-    knee_smoothing_s: float = Field(default=30.0, ge=0)
-    down_speedup: float = Field(default=0.5, gt=0, le=1)
+    knee_smoothing_s: float = Field(default=60.0, ge=0)
+    down_speedup: float = Field(default=0.25, gt=0, le=1)
     queueing_slowdown: float = Field(default=2.0, ge=1)
     deadband: float = Field(default=0.1, ge=0, lt=1)
     max_step: float = Field(default=0.5, gt=0)
@@ -179,15 +205,23 @@ class KneeLimitConfig(LimitBounds):
     drift_tolerance: float = Field(default=0.5, gt=0)
 
 
+class Solo(NamedTuple):
+    """A stream's time per token at low concurrency, and where it was measured."""
+
+    per_token_s: float
+    running: float  # streams running then (0: a bound from above, no measurement)
+    kv_usage: float | None = None  # the engine's KV cache in use then, if scraped
+
+
 class KneeLimit:
     def __init__(
         self,
         config: KneeLimitConfig,
         start: int | None = None,
         *,
-        solo: tuple[float, float] | None = None,
+        solo: tuple[float, float] | Solo | None = None,
     ) -> None:
-        """``start``: a carried-over limit; ``solo``: (solo, at running) measured before."""
+        """``start``: a carried-over limit; ``solo``: what a predecessor measured."""
         self._cfg = config
         self._slow_start = start is None
         self._target = config.clamp(config.initial if start is None else start)
@@ -201,7 +235,9 @@ class KneeLimit:
         # None until in_flight <= limit; a fresh start holds its first level to measure solo
         self._reached_at: float | None = None if start is None else float("-inf")
         self._decreased_at = float("-inf")
-        self._raised_at = float("-inf")  # when a ramp last granted permits
+        self._cut_at = float("-inf")  # when an objection last cut the limit
+        self._raised_at = float("-inf")  # when a ramp last granted permits ...
+        self._raised_from = self._limit  # ... and the limit before that raise began
         self._turnover_at = float("-inf")  # when clients last came back all at once
         self._ceiling: int | None = None
         self._ceiling_margin = config.margin  # kept below the ceiling, see _objection
@@ -209,12 +245,14 @@ class KneeLimit:
         self._queueing_since: float | None = None  # engine_waiting > tolerance since
         self._queued_at = float("-inf")  # engine_waiting > tolerance last seen
         self._running: deque[tuple[float, int]] = deque()  # (now, in_flight - waiting) since
-        self._recent: deque[tuple[float, int, int]] = deque()  # (now, in_flight, completed)
+        # (now, in_flight, completed, engine_kv_usage)
+        self._recent: deque[tuple[float, int, int, float | None]] = deque()
         self.solo: float | None = None  # s per token of a stream at low concurrency ...
-        self._solo_c = 0.0  # ... namely at this many running
+        self._solo_c = 0.0  # ... namely at this many running ...
+        self._solo_kv: float | None = None  # ... holding this much KV cache, if known
         self._solo_measured = False  # False while solo is only an upper bound
         if solo is not None:
-            self.solo, self._solo_c = solo
+            self.solo, self._solo_c, self._solo_kv = Solo(*solo)
             self._solo_measured = True
         self.knee: float | None = None  # the smoothed estimate K ...
         self._knee_is_floor = False  # ... or only a lower bound of the knee
@@ -287,14 +325,16 @@ class KneeLimit:
         cfg = self._cfg
         self._instant = None
         recent = self._recent
-        recent.append((sample.now, sample.in_flight, sample.completed))
+        recent.append((sample.now, sample.in_flight, sample.completed, sample.engine_kv_usage))
         horizon = sample.now - cfg.settle_s
         while len(recent) > 1 and recent[1][0] <= horizon:
             recent.popleft()  # keep the last sample at or before the horizon
         if recent[0][0] > horizon + self._elapsed / 2 or len(recent) < 2:
             return  # not yet a window's worth of history
-        levels = [c for _, c, _ in recent]
+        levels = [c for _, c, _, _ in recent]
         c = sum(levels) / len(levels)
+        usages = [u for _, _, _, u in recent if u is not None]
+        kv = sum(usages) / len(usages) if len(usages) == len(recent) else None
         if c < 1 or sample.output_tokens_per_s <= 0:
             return
         if sample.in_flight > self._limit and sample.now - self._queued_at < cfg.settle_s:
@@ -311,7 +351,8 @@ class KneeLimit:
         steady = max(levels) - min(levels) <= cfg.steady_tolerance * c
         if self._measuring_solo:
             if steady and c >= cfg.busy_fraction * self._limit:
-                self.solo, self._solo_c = y, running  # the latest busy window there
+                # the latest busy window there
+                self.solo, self._solo_c, self._solo_kv = y, running, kv
                 self._solo_measured = True
             return
         if self.solo is None:
@@ -319,8 +360,8 @@ class KneeLimit:
                 return
             # No low-concurrency window: y is an upper bound of solo, which makes k an
             # upper bound of the knee. Good enough to lower the limit, not to raise it.
-            self.solo, self._solo_c = y, 0.0
-        k, capped = self._estimate(running, y)
+            self.solo, self._solo_c, self._solo_kv = y, 0.0, 0.0
+        k, capped = self._estimate(running, y, kv)
         # Judges a ramp in progress (c is its mean over the window); a capped k says
         # only "more than twice as much", no reason to stop.
         self._instant = None if capped else k
@@ -329,11 +370,12 @@ class KneeLimit:
         if self._queueing_since is None and self._drift(sample.now, c, y):
             return  # k was judged against the old backend's solo
         if c <= cfg.solo_level:
-            self.solo, self._solo_c = y, running  # at the first level y is solo itself
+            # at the first level y is solo itself
+            self.solo, self._solo_c, self._solo_kv = y, running, kv
             self._solo_measured = True
         elif y < self.solo:
             # Faster than `solo` ever was: a faster backend. y bounds its solo from above.
-            self.solo, self._solo_c = y, 0.0
+            self.solo, self._solo_c, self._solo_kv = y, 0.0, 0.0
             self.knee = None
             return
         if self.knee is None or self._knee_is_floor:
@@ -349,14 +391,30 @@ class KneeLimit:
         tau = cfg.knee_smoothing_s * (1 if k > self.knee else down)
         self.knee += self._weight(tau) * (k - self.knee)
 
-    def _estimate(self, running: float, y: float) -> tuple[float, bool]:
-        """k from the line through (solo_c, solo) and (running, y); capped or not."""
+    def _estimate(self, running: float, y: float, kv: float | None) -> tuple[float, bool]:
+        """k from the line through solo and (running, y) in KV held, else in streams.
+
+        In KV held (both ends scraped): a = the line's value at an empty cache,
+        b = its slope * the KV the average stream holds now. In streams: the line
+        through (solo_c, solo) and (running, y), which takes every stream to hold
+        at any age what the streams held when solo was measured.
+        """
         assert self.solo is not None
         cap = _CAP * running
-        if running <= self._solo_c or y <= self.solo:
+        if y <= self.solo:
             return cap, True
-        per_seq = (y - self.solo) / (running - self._solo_c)  # b
-        alone = max(self.solo - per_seq * self._solo_c, 0.0)  # a, never below nothing
+        if kv is not None and self._solo_kv is not None:
+            if kv <= self._solo_kv:
+                return cap, True
+            slope = (y - self.solo) / (kv - self._solo_kv)  # s per token per cache share
+            alone = self.solo - slope * self._solo_kv  # a
+            per_seq = slope * kv / running  # b, at the streams' ages now
+        else:
+            if running <= self._solo_c:
+                return cap, True
+            per_seq = (y - self.solo) / (running - self._solo_c)  # b
+            alone = self.solo - per_seq * self._solo_c  # a
+        alone = max(alone, 0.0)  # never below nothing
         k = max(1.0, alone / per_seq * (1 / self._cfg.marginal_fraction - 1))
         return (cap, True) if k >= cap else (k, False)
 
@@ -402,11 +460,14 @@ class KneeLimit:
         ratio = (sum(ys) / len(ys)) / expected
         if ratio - 1 <= cfg.drift_tolerance:
             return False
-        self.solo, self._solo_c, self._solo_measured = None, 0.0, False
+        self._forget_solo()
         self.knee, self._knee_is_floor = None, False
         self._slow_start = False  # the limit is held until solo is measured again
         history.clear()
         return True
+
+    def _forget_solo(self) -> None:
+        self.solo, self._solo_c, self._solo_kv, self._solo_measured = None, 0.0, None, False
 
     def _goal(self) -> float | None:
         goal = self.knee
@@ -422,7 +483,11 @@ class KneeLimit:
         cfg = self._cfg
         now = sample.now
         c = sample.in_flight
-        after_raise = now - self._raised_at <= 2 * cfg.settle_s
+        # A raise breaches through the prefills it admitted: only while more is in
+        # flight than the limit before it allowed. At or below that level the raise
+        # admitted nothing (a redeploy right after a raise, its retries held by the
+        # token budget, is the new backend's objection, not the raise's).
+        after_raise = now - self._raised_at <= 2 * cfg.settle_s and c > self._raised_from
         queueing = self._queueing(sample)
         due = now - self._decreased_at >= cfg.settle_s  # a window holds a breach a while
         if not queueing and not after_raise and now - self._turnover_at <= 2 * cfg.settle_s:
@@ -433,6 +498,10 @@ class KneeLimit:
         # below it): down to that level, not below, and no margin under it.
         unset = c < self._limit and not after_raise and not queueing
         margin = 0.0 if unset else cfg.margin
+        if self._ceiling is not None and now - self._cut_at < cfg.settle_s:
+            # The window still holds the breach the last cut answered, now at the level
+            # the cut set: the same objection, judged as it was when it came.
+            margin = self._ceiling_margin
         if self._ceiling is None or held < self._ceiling:
             self._ceiling, self._ceiling_margin = held, margin
         elif held == self._ceiling:
@@ -452,7 +521,7 @@ class KneeLimit:
         """A quarter of what is in flight completed within the window, four times as
         many as in the window before: clients that finished together, back together."""
         done = sample.completed
-        then, _, done_then = self._recent[0]
+        then, _, done_then, _ = self._recent[0]
         if then < sample.now and done >= sample.in_flight / 4 and done > 4 * done_then:
             self._turnover_at = sample.now
 
@@ -521,6 +590,7 @@ class KneeLimit:
         new = self._cfg.clamp(max(self._limit + 1, int(to)))
         if new <= self._limit:
             return self._limit
+        self._raised_from = self._limit
         self._target = new
         self._reached_at = None
         return self._ramp(now)
@@ -533,13 +603,13 @@ class KneeLimit:
         return new
 
     @property
-    def learned(self) -> tuple[float, float] | None:
-        """What a successor should start from on reload: (solo, at running)."""
+    def learned(self) -> Solo | None:
+        """What a successor should start from on reload: the measured solo."""
         if self.solo is None or not self._solo_measured:
             return None
-        return self.solo, self._solo_c
+        return Solo(self.solo, self._solo_c, self._solo_kv)
 
     def _decrease(self, now: float, target: float) -> int:
-        self._decreased_at = now
+        self._decreased_at = self._cut_at = now
         self._measuring_solo = False
         return self._lower(now, max(self._limit * _MAX_CUT, target))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from dataclasses import dataclass
@@ -9,7 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 from policies.base import Sample
-from policies.knee import KneeLimit, KneeLimitConfig
+from policies.knee import KneeLimit, KneeLimitConfig, Solo
+from policies.registry import reconfigure
 
 
 @dataclass(frozen=True)
@@ -306,7 +308,7 @@ def test_a_backlog_above_the_limit_on_a_full_kv_cache_leaves_the_knee_estimate_a
     assert backlog.knee == knee
     # The same windows at a load the limit admits (held there by its minimum) do move it.
     admitted = measured(initial=40, min=40, max=40)
-    for t in range(7, 7 + 120):
+    for t in range(7, 7 + 240):
         _thrash(admitted, t, in_flight=40)
         assert admitted.limit == 40
     assert admitted.knee is not None and knee is not None and admitted.knee < 0.5 * knee
@@ -342,7 +344,7 @@ def test_a_slower_backend_forgets_solo_and_holds_the_limit_until_solo_is_measure
     assert ctl.limit == limit  # held: no solo measured, nothing to move it by
     assert ctl.solo == pytest.approx(0.060)  # y bounds the new solo from above
     _steady(ctl, t + 60, 10, y=0.031, c=4)  # demand fell: the first level again
-    assert ctl.learned == (pytest.approx(0.031), 4.0)
+    assert ctl.learned == (pytest.approx(0.031), 4.0, None)
 
 
 def test_a_slower_backend_seen_at_a_lower_load_is_recognised_and_the_limit_not_sunk() -> None:
@@ -394,3 +396,141 @@ def test_clients_coming_back_together_breach_by_their_prefills_not_by_the_level(
         steady.update(sample(t, in_flight=17, completed=9, ttft_p95=None))
     assert _breach_of(steady, 10, completed=9) == 9  # 17 / pressure 2, up to 17 / 2
     assert steady.ceiling == 17
+
+
+@dataclass(frozen=True)
+class AgingCohort:
+    """Streams whose KV grows as they decode: a step reads the weights (``a``) plus
+    every token held, so y = a + per_kv * usage, usage the share of the cache held."""
+
+    a: float = 0.0128
+    per_kv: float = 0.040  # s per token for a full cache
+    prompt: int = 1024
+    cache_tokens: int = 200_000
+
+    def usage(self, c: int, age: int) -> float:
+        return c * (self.prompt + age) / self.cache_tokens
+
+    def y(self, c: int, age: int) -> float:
+        return self.a + self.per_kv * self.usage(c, age)
+
+    def knee(self, c: int, age: int) -> float:
+        """Where y = a / marginal_fraction, every stream at this age."""
+        per_stream = self.per_kv * (self.prompt + age) / self.cache_tokens
+        return self.a / per_stream * (1 / KneeLimitConfig().marginal_fraction - 1)
+
+
+def _aged(ctl: KneeLimit, cohort: AgingCohort, start: int, kv: bool = True) -> None:
+    """A window of 40 streams 1,400 tokens into their outputs."""
+    c, age = 40, 1400
+    for t in range(start, start + 7):
+        ctl.update(
+            sample(
+                t,
+                in_flight=c,
+                output_tokens_per_s=c / cohort.y(c, age),
+                engine_kv_usage=cohort.usage(c, age) if kv else None,
+            )
+        )
+
+
+def test_the_kv_line_reads_the_knee_whatever_the_streams_ages() -> None:
+    # solo is measured on young streams (4 of them, 16 tokens into their outputs);
+    # the streams measured later are old and hold more KV each.
+    cohort = AgingCohort()
+    young = Solo(cohort.y(4, 16), 4.0, cohort.usage(4, 16))
+    ctl = KneeLimit(KneeLimitConfig(knee_smoothing_s=0), start=40, solo=young)
+    _aged(ctl, cohort, 0)
+    assert ctl.knee == pytest.approx(cohort.knee(40, 1400), rel=1e-6)
+    # The line in streams takes the young streams' KV for every stream's: a too low.
+    streams = KneeLimit(KneeLimitConfig(knee_smoothing_s=0), start=40, solo=young[:2])
+    _aged(streams, cohort, 0)
+    assert streams.knee is not None and streams.knee < 0.9 * cohort.knee(40, 1400)
+
+
+def test_without_kv_usage_the_knee_comes_from_the_line_in_streams() -> None:
+    # No /metrics now (or never): the line through (4, solo) and (40, y), as before.
+    cohort = AgingCohort()
+    solo, y = cohort.y(4, 16), cohort.y(40, 1400)
+    per_stream = (y - solo) / 36
+    expected = (solo - 4 * per_stream) / per_stream * (1 / 0.35 - 1)
+    for learned in (Solo(solo, 4.0, cohort.usage(4, 16)), Solo(solo, 4.0)):
+        ctl = KneeLimit(KneeLimitConfig(knee_smoothing_s=0), start=40, solo=learned)
+        _aged(ctl, cohort, 0, kv=False)
+        assert ctl.knee == pytest.approx(expected, rel=1e-6)
+    # kv now but none at the solo window: the same line
+    ctl = KneeLimit(KneeLimitConfig(knee_smoothing_s=0), start=40, solo=Solo(solo, 4.0))
+    _aged(ctl, cohort, 0)
+    assert ctl.knee == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_knee_estimate_rises_slowly_and_falls_quickly() -> None:
+    def k_of(y: float) -> float:  # the line from (0, 0.015) at 40 in flight
+        return 0.015 / ((y - 0.015) / 40) * (1 / 0.35 - 1)
+
+    ctl = carried(40, solo=0.015)
+    _steady(ctl, 0, 6, y=0.040)  # the first estimate is taken as it is
+    assert ctl.knee == pytest.approx(k_of(0.040))
+    _steady(ctl, 6, 60, y=0.030)  # a higher k, for 60 s: one time constant
+    start = ctl.knee
+    assert start is not None
+    rise = (start - k_of(0.040)) / (k_of(0.030) - k_of(0.040))
+    assert rise == pytest.approx(1 - math.exp(-1), abs=0.02)
+    _steady(ctl, 66, 15, y=0.040)  # lower again, for 15 s: one time constant
+    assert ctl.knee is not None
+    fall = (start - ctl.knee) / (start - k_of(0.040))
+    assert fall == pytest.approx(1 - math.exp(-1), abs=0.02)
+
+
+def _raised_to(ctl: KneeLimit, target: int) -> int:
+    """Steady windows whose estimate asks for more, until the ramp reaches ``target``."""
+    t = 0
+    while ctl.limit < target:
+        ctl.update(sample(t, in_flight=ctl.limit, output_tokens_per_s=ctl.limit / 0.020))
+        t += 1
+        assert t < 60, "no raise"
+    return t
+
+
+def test_a_breach_at_or_below_the_level_before_a_raise_is_not_the_raises() -> None:
+    # An L40S at 39 raised to 43, redeployed 2 s later on an L4 whose token budget
+    # admits 17 of the retried streams: their prefills breach at 17. The raise admitted
+    # nothing there; the breach is at a level the budget held, and the limit comes
+    # down to 17, not below, also while the window still holds the breach after the cut.
+    knobs = dict(max=43, knee_smoothing_s=0)
+    ctl = carried(39, solo=0.015, **knobs)
+    t = _raised_to(ctl, 43) + 2
+    for now in range(t, t + 8):
+        ctl.update(sample(now, in_flight=17, ttft_p95=2.6, output_tokens_per_s=17 / 0.020))
+    assert ctl.limit == 17 and ctl.ceiling == 17
+    for now in range(t + 8, t + 120):
+        ctl.update(sample(now, in_flight=17, ttft_p95=0.2, output_tokens_per_s=17 / 0.020))
+        assert ctl.limit == 17
+    # Above the level before the raise, the same breach is the raise's prefills': the
+    # ceiling keeps its margin (and is re-examined after breach_ttl_s).
+    ctl = carried(39, solo=0.015, **knobs)
+    t = _raised_to(ctl, 43) + 2
+    ctl.update(sample(t, in_flight=43, ttft_p95=0.6, output_tokens_per_s=43 / 0.020))
+    assert ctl.ceiling == 43 and ctl.limit == 35  # 0.8 * 43, rounded up
+
+
+def test_a_reload_carries_the_kv_held_when_solo_was_measured() -> None:
+    cohort = AgingCohort()
+    ctl = KneeLimit(KneeLimitConfig(initial=40))
+    for t in range(7):  # a fresh start: solo at the first level, 4 young streams
+        ctl.update(
+            sample(
+                t,
+                in_flight=4,
+                output_tokens_per_s=4 / cohort.y(4, 16),
+                engine_kv_usage=cohort.usage(4, 16),
+            )
+        )
+    learned = ctl.learned
+    assert learned is not None and learned.kv_usage is not None
+    assert learned.per_token_s == pytest.approx(cohort.y(4, 16)) and learned.running == 4.0
+    assert learned.kv_usage == pytest.approx(cohort.usage(4, 16))
+    successor = reconfigure(ctl, KneeLimitConfig(initial=40, knee_smoothing_s=0))
+    assert isinstance(successor, KneeLimit)
+    _aged(successor, cohort, 7)
+    assert successor.knee == pytest.approx(cohort.knee(40, 1400), rel=1e-6)

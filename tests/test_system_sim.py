@@ -108,7 +108,9 @@ def test_a_run_is_deterministic_for_its_seed() -> None:
     a, b = closed(4, 120, seed=5), closed(4, 120, seed=5)
     assert limit_trace(a) == limit_trace(b)
     assert [r.first_token for r in a.requests] == [r.first_token for r in b.requests]
-    assert limit_trace(a) != limit_trace(closed(4, 120, seed=6))
+    # Another seed is another run (its limits may still coincide: the knee is robust)
+    other = closed(4, 120, seed=6)
+    assert [r.first_token for r in a.requests] != [r.first_token for r in other.requests]
 
 
 def test_routing_and_admission_predicates_plug_in() -> None:

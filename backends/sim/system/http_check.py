@@ -95,6 +95,7 @@ class Measured:
     shed_late_wire: list[float] = field(default_factory=list)
     client_lag: float = 0.0  # worst stall of this process's own event loop (wall s)
     limits: list[tuple[float, int, int, int]] = field(default_factory=list)
+    kv_usages: list[float | None] = field(default_factory=list)  # scraped, as the knee sees it
     windows: list[tuple[float, float | None, float | None, float | None, float]] = field(
         default_factory=list
     )  # (t, window p95 TTFT, p95 ITL, engine waiting, tok/s), as the controller saw them
@@ -169,6 +170,7 @@ async def poll_state(url: str, m: Measured, speed: float, stop: float, t0: float
             scale = [None if v is None else v * speed for v in (w["ttft_p95"], w["itl_p95"])]
             tokens = w["output_tokens_per_s"] / speed
             m.windows.append((t, *scale, engine.get("waiting"), tokens))
+            m.kv_usages.append(engine.get("kv_usage"))
             await asyncio.sleep(max(0.0, 1 / speed - (time.monotonic() - tick)))
 
 
@@ -303,6 +305,11 @@ def report(args: argparse.Namespace, m: Measured, sim: SystemSim, wall: float) -
     print("\nms per token per stream (in flight / tok/s) every 10 simulated s:\n")
     print("- HTTP:    " + " ".join(str(x) for x in http_y))
     print("- virtual: " + " ".join(str(x) for x in virt_y))
+    seen = [u for u in m.kv_usages if u is not None]
+    print(
+        f"\nEngine KV cache usage the controller was fed: {len(seen)} of {len(m.kv_usages)} "
+        "ticks" + (f", {min(seen):.2f}-{max(seen):.2f}" if seen else "")
+    )
     if m.limits:
         medians = statistics.median(x for t, x, _, _ in m.limits if t >= half)
         print(f"\nHTTP limit median over the second half: {medians:.0f}")

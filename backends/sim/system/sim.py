@@ -10,8 +10,8 @@ in virtual time, with the gateway's own parts where they are pure:
   every ``FLUSH_INTERVAL_S`` as they stream, a completion at the end;
 * :class:`gateway.control.LimitLoop` turns each window into a Sample
   (``sample_of``) and each Sample into a limit with the real controllers,
-  every ``control_interval_s``; the engine's ``num_requests_waiting`` is read
-  as a scrape would read it, at the tick;
+  every ``control_interval_s``; the engine's ``num_requests_waiting`` and KV
+  cache usage are read as a scrape would read them, at the tick;
 * each pool queues in a :class:`policies.priority_queue.PriorityQueue` with
   the semantics of :class:`policies.admission.PoolAdmission`: bounded depth
   (``queue_full`` at once), a deadline per request (``queue_timeout`` at the
@@ -30,7 +30,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from backends.replica import Replica
+from backends.replica import EngineGauges, Replica
 from backends.sim.base import TokenEvent
 from backends.sim.profiles import Profile, get_profile
 from backends.sim.system.model import (
@@ -343,18 +343,19 @@ class SystemSim:
         now = self.now
         engines = {b.replica.name: b.engine.stats() for b in self.backends}
 
-        def waiting(replica: Replica) -> int:
-            return engines[replica.name].waiting  # scraped at the tick
+        def engine_of(replica: Replica) -> EngineGauges:
+            stats = engines[replica.name]  # scraped at the tick
+            return EngineGauges(stats.running, stats.waiting, stats.kv_usage, scraped_at=now)
 
         def demand(replica: Replica) -> int:
             return len(self._pools[replica.pool].queue)
 
         # What each controller is about to see (sample_of reads without side effects).
         seen = {
-            b.name: sample_of(b.replica, now, waiting(b.replica), demand(b.replica))
+            b.name: sample_of(b.replica, now, engine_of(b.replica), demand(b.replica))
             for b in self.backends
         }
-        if self._limits.tick(self._replicas(), now, waiting, demand):
+        if self._limits.tick(self._replicas(), now, engine_of, demand):
             for pool in self._pools.values():
                 self._dispatch(pool)
         interval = self._current
