@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from backends.sim.tokenizer import text_of_tokens
 from gateway.bench.clockcheck import CpuShare, check_figure, check_points, render
 from gateway.bench.prompts import ENDPOINTS, PromptText
 from gateway.bench.stats import Latency, PointSummary
+from gateway.bench.sweep import collector_paused
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,3 +149,20 @@ def test_the_check_command_runs_both_clocks_and_stops_its_simulator(tmp_path: Pa
     tok_s = document["points"][1]["figures"]["output_tok_s"]
     assert tok_s["virtual"] > 0 and tok_s["http"] > 0
     assert document["ok"] == (done.returncode == 0)
+
+
+def test_no_collection_pauses_the_load_generator_while_a_point_is_measured() -> None:
+    assert gc.isenabled()
+    cycles_before = gc.get_stats()[2]["collections"]
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    assert gc.get_stats()[2]["collections"] == cycles_before + 1  # one full pass after
+
+    gc.disable()  # a caller that switched it off keeps it off
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
