@@ -19,6 +19,7 @@ from backends.sim.profiles import get_profile
 from backends.sim.virtual import VirtualEngine
 from gateway.bench.client import error_message, stream_request
 from gateway.bench.h1 import Client, TransportError
+from tests.polling import eventually
 from tests.procs import MODEL, Proc, free_port, start_sim
 
 pytestmark = pytest.mark.anyio
@@ -130,14 +131,6 @@ async def test_cancelling_a_stream_closes_its_connection_and_frees_the_sequence(
         await client.aclose()
     # The server notices the closed connection.
     await eventually(lambda: cancelled() != before, "the sequence was not cancelled")
-
-
-async def eventually(condition: Callable[[], bool], failure: str) -> None:
-    """Polls ``condition`` until it holds; fails after 10 seconds."""
-    deadline = asyncio.get_running_loop().time() + 10
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, failure
-        await asyncio.sleep(0.01)
 
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -11,6 +11,7 @@ from backends.replica import Replica
 from gateway.metrics import GatewayMetrics
 from gateway.recording import Flight, Recorder
 from gateway.settings import BackendConfig
+from tests.polling import eventually
 
 
 class Clock:
@@ -67,10 +68,7 @@ def test_the_timer_records_a_batch_in_order() -> None:
         recorder, _, replica, registry = make(settle_s=0.001)
         for name in "abc":
             recorder.finished(flight(name, started=99.0), replica, "ok")
-        for _ in range(2000):  # bounded poll; the timer fires after ~1 ms
-            if recorder.recent:
-                break
-            await asyncio.sleep(0.001)
+        await eventually(lambda: bool(recorder.recent), "the timer never recorded the batch")
         assert [r.request_id for r in recorder.recent] == ["a", "b", "c"]
         assert e2e_count(registry) == 3
 

@@ -261,9 +261,7 @@ class RealtimeEngine:
         ValueError at once if the request can never run.
         """
         now = self.engine_time()
-        at = now if arrival is None else min(now, (arrival - self._origin) * self.speed)
-        self._core.advance_to(at)
-        self._wake_later()
+        self._sync(now if arrival is None else min(now, (arrival - self._origin) * self.speed))
         stream = TokenStream(self, request.request_id, self._timings, self._core.now)
         self._core.submit(request, stream)
         self._open[request.request_id] = stream
@@ -310,9 +308,9 @@ class RealtimeEngine:
         late = self._clock() - started - seconds
         self._lead = next_lead(self._lead, late)
 
-    def _sync(self) -> None:
-        """Bring the engine clock to now, completing any step that is overdue."""
-        self._core.advance_to(self.engine_time())
+    def _sync(self, at: float | None = None) -> None:
+        """Bring the engine clock to ``at`` (default: now), completing the steps due by then."""
+        self._core.advance_to(self.engine_time() if at is None else at)
         self._wake_later()
 
     def _wake_later(self) -> None:
