@@ -14,6 +14,7 @@ import io
 import json
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ class Seen:
     requests: int = 0
     prompt_tokens: list[int] = field(default_factory=list)
     bodies: list[dict] = field(default_factory=list)
+    in_flight: int = 0
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (when, then in flight)
 
 
 def _chunk(delta: dict, finish: str | None = None) -> bytes:
@@ -70,8 +73,17 @@ def make_app(seen: Seen) -> Starlette:
         prompt = count_chat_tokens(body["messages"])
         seen.prompt_tokens.append(prompt)
         n = body["max_tokens"]
+        seen.in_flight += 1
+        seen.arrivals.append((time.monotonic(), seen.in_flight))
 
         async def stream() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in chunks():
+                    yield chunk
+            finally:
+                seen.in_flight -= 1
+
+        async def chunks() -> AsyncIterator[bytes]:
             yield _chunk({"role": "assistant", "content": ""})
             await asyncio.sleep(TTFT_S)
             if body["model"] == "dies" and n > 4:  # the probe (4 tokens) passes
@@ -143,6 +155,8 @@ def test_short_sweep_counts_exactly_and_times_sanely(
             "300",
             "--output-tokens",
             "12",
+            "--stagger",
+            "0",  # all clients at once: the exact request count below
             "--slo",
             "ttft_p95_ms=400",
             "--json",
@@ -177,6 +191,35 @@ def test_short_sweep_counts_exactly_and_times_sanely(
     assert body["max_tokens"] == 12
     assert "/tokenize counts 300" in out
     assert "knee" in out and (tmp_path / "out.csv").read_text().count("\n") == 3
+
+
+def test_closed_loop_clients_start_a_stagger_apart(server: tuple[str, Seen]) -> None:
+    url, seen = server
+    before = len(seen.arrivals)
+    code, _, err = _run(
+        [
+            "--url",
+            url,
+            "--concurrency",
+            "3",
+            "--requests",
+            "6",
+            "--prompt-tokens",
+            "64",
+            "--output-tokens",
+            "30",  # a request lasts ~0.15 s: longer than a stagger, shorter than the ramp
+            "--stagger",
+            "0.1",
+            "--quiet",
+        ]
+    )
+    assert code == 0, err
+    arrivals = seen.arrivals[before + 1 :]  # after the probe
+    start = arrivals[0][0]
+    for when, in_flight in arrivals:
+        started = 1 + int((when - start) / 0.1 + 0.2)  # clients that may have started by then
+        assert in_flight <= min(3, started), (when - start, in_flight)
+    assert max(n for _, n in arrivals) == 3
 
 
 def test_open_loop_at_a_rate(server: tuple[str, Seen]) -> None:

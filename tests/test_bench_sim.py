@@ -4,6 +4,7 @@ and (when the simulator's engine is present) a short sweep on a real profile."""
 from __future__ import annotations
 
 import argparse
+import heapq
 import io
 import json
 import time
@@ -18,7 +19,8 @@ from gateway.bench import command
 from gateway.bench.phase import LoadPoint
 from gateway.bench.progress import ProgressDisplay
 from gateway.bench.simtarget import SimTarget
-from gateway.bench.stats import summarize
+from gateway.bench.stats import percentile, summarize
+from gateway.bench.sweep import SweepPlan
 from gateway.bench.workload import PromptMix, SyntheticWorkload
 
 STEP = 0.01
@@ -32,6 +34,7 @@ class FakeEngine:
         self._end: float | None = None
         self._running: list[list[Any]] = []
         self.submitted: list[GenerationRequest] = []
+        self.sent: list[tuple[float, bool]] = []  # (when, counted) per request
 
     @property
     def now(self) -> float:
@@ -39,6 +42,7 @@ class FakeEngine:
 
     def submit(self, request: GenerationRequest, listener: Any) -> None:
         self.submitted.append(request)
+        self.sent.append((self._now, listener.ticket.counted))
         self._running.append([request, listener, 0])
         if self._end is None:
             self._end = self._now + STEP
@@ -101,6 +105,17 @@ def test_closed_loop_on_virtual_time_is_exact() -> None:
     # wave holds 2 fillers, and up to 3 replace requests finishing with the last.
     assert 14 <= len(engines[0].submitted) <= 19
     assert all(r.ignore_eos and r.max_tokens == 5 for r in engines[0].submitted)
+
+
+def test_a_staggered_closed_loop_starts_its_clients_apart_and_counts_no_ramp() -> None:
+    point = LoadPoint("concurrency", 3, requests=6, warmup=0, stagger=0.035)
+    phase, engines = _run_point(point, tokens=10)  # a request lasts 0.1 s
+    sent = engines[0].sent
+    assert [t for t, _ in sent[:3]] == pytest.approx([0.0, 0.035, 0.07])
+    # Even with --warmup 0 the ramp is warm-up: the load is not complete before 0.07.
+    assert not any(counted for _, counted in sent[:3])
+    assert all(t >= 0.07 for t, counted in sent if counted)
+    assert len(phase.records) == 6
 
 
 def test_open_loop_on_virtual_time() -> None:
@@ -172,3 +187,91 @@ def test_acceptance_sweep_places_the_knee_between_24_and_48(tmp_path: Path) -> N
     assert 60 < tps[1] < 90  # one stream on an L40S: ~74 tok/s in the field
     assert tps[64] < 1.25 * tps[32]  # the knee's shape: little throughput left past 32
     assert all(p["errors"] == 0 for p in doc["points"])
+
+
+class LateClients:
+    """A simulated engine whose clients hear each request's end ``delay`` seconds late.
+
+    Over HTTP a closed-loop client's next request reaches the engine some time
+    after the step that ended the last one (the stream's last bytes, the
+    client's turnaround, the new request's bytes): at ``kneecap sim --speed 20``
+    a third of a millisecond of wall time is ~7 ms of simulated time, about
+    half a decode step at 8 in flight. Here the replacement goes out that late.
+    """
+
+    def __init__(self, engine: Any, delay: float) -> None:
+        self._engine = engine
+        self._delay = delay
+        self._ends: list[tuple[float, int, Any, TokenEvent]] = []
+
+    @property
+    def now(self) -> float:
+        return float(self._engine.now)
+
+    def submit(self, request: GenerationRequest, listener: Any) -> None:
+        engine = self
+
+        class Relay:
+            def on_token(self, now: float, event: TokenEvent) -> None:
+                if event.finish_reason is None:
+                    listener.on_token(now, event)
+                else:
+                    heapq.heappush(
+                        engine._ends, (now + engine._delay, len(engine._ends), listener, event)
+                    )
+
+        self._engine.submit(request, Relay())
+
+    def next_time(self) -> float | None:
+        step: float | None = self._engine.next_time()
+        if self._ends and (step is None or self._ends[0][0] <= step):
+            return self._ends[0][0]
+        return step
+
+    def advance(self) -> None:
+        step = self._engine.next_time()
+        if self._ends and (step is None or self._ends[0][0] <= step):
+            at, _, listener, event = heapq.heappop(self._ends)
+            self._engine.advance_to(at)
+            listener.on_token(at, event)
+        else:
+            self._engine.advance()
+
+    def advance_to(self, t: float) -> None:
+        while (due := self.next_time()) is not None and due <= t:
+            self.advance()
+        self._engine.advance_to(t)
+
+
+@pytest.mark.parametrize("load", [8, 16])
+def test_a_late_client_never_moves_a_ttft_percentile_by_a_prefill(load: int) -> None:
+    """The closed loop's figures must not hinge on a fraction of a step of client latency.
+
+    Started all at once, the clients finish in adjacent engine steps for good
+    (fixed output lengths keep their phases), and whether one client's next
+    request lands before or after its neighbour's end decided which of them is
+    prefilled first: at 8 in flight 20 ms of lateness moved TTFT p50 from 155
+    to 238 ms (two prefills share a step), what failed the clock check one run
+    in four. Staggered, each client's request is prefilled alone whatever the
+    lateness: TTFT (from the send) only loses the part of a step it waited less.
+    """
+    virtual = pytest.importorskip("backends.sim.virtual")
+    profiles = pytest.importorskip("backends.sim.profiles")
+    profile = profiles.get_profile("qwen3-4b/l40s/bf16/vllm")
+    plan = SweepPlan(kind="concurrency", loads=(1, 8, 16, 32, 48, 64, 96))
+    point = plan.point(load, plan.loads.index(load))  # as the acceptance sweep runs it
+    workload = SyntheticWorkload(PromptMix((1024,), (1.0,)), 2816)
+
+    def ttft_ms(delay: float) -> tuple[float, float]:
+        target = SimTarget(
+            "sim", lambda seed: LateClients(virtual.VirtualEngine(profile, seed=seed), delay)
+        )
+        phase = anyio.run(target.run_point, point, workload, ProgressDisplay(None))
+        ttfts = [r.ttft * 1e3 for r in phase.records if r.ttft is not None]
+        return percentile(ttfts, 50), percentile(ttfts, 95)
+
+    p50, p95 = ttft_ms(0.0)
+    for delay_ms in (5, 10, 15, 20, 25, 30, 40):
+        late50, late95 = ttft_ms(delay_ms / 1e3)
+        assert late50 <= 1.1 * p50, (delay_ms, late50, p50)
+        assert late95 <= 1.1 * p95, (delay_ms, late95, p95)

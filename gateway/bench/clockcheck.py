@@ -44,7 +44,7 @@ from gateway.bench.prompts import ENDPOINTS
 from gateway.bench.simtarget import SimTarget
 from gateway.bench.slo import parse_slo
 from gateway.bench.stats import PointSummary
-from gateway.bench.sweep import SweepPlan, SweepResult, run_sweep
+from gateway.bench.sweep import DEFAULT_STAGGER_S, SweepPlan, SweepResult, run_sweep
 from gateway.bench.target import Target
 from gateway.bench.workload import Workload, parse_prompt_tokens, workloads_from
 from gateway.perf import procs
@@ -197,6 +197,7 @@ def _plan(args: argparse.Namespace) -> tuple[SweepPlan, list[Workload]]:
         requests=args.requests,
         seed=args.seed,
         slo=parse_slo(args.slo) if args.slo else None,
+        stagger=args.stagger,
     )
     mixes = parse_prompt_tokens(args.prompt_tokens)
     return plan, workloads_from(mixes[:1], args.output_tokens, args.seed)
@@ -311,6 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-tokens", type=int, default=DEFAULT_OUTPUT_TOKENS)
     parser.add_argument("--slo", default=DEFAULT_SLO, help="for the knees (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--stagger",
+        type=float,
+        default=DEFAULT_STAGGER_S,
+        metavar="S",
+        help="seconds between the clients' first requests (default %(default)s)",
+    )
     parser.add_argument("--tolerance", type=float, default=0.25, help="default %(default)s")
     parser.add_argument("--sim-core", type=int, default=0)
     parser.add_argument("--load-core", type=int, default=1, help="this process: the load")

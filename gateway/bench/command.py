@@ -29,7 +29,7 @@ from gateway.bench.report import render
 from gateway.bench.simtarget import SimTarget
 from gateway.bench.slo import SloError, parse_slo
 from gateway.bench.stats import LoadKind
-from gateway.bench.sweep import SweepPlan, SweepResult, run_sweep
+from gateway.bench.sweep import DEFAULT_STAGGER_S, SweepPlan, SweepResult, run_sweep
 from gateway.bench.target import Target
 from gateway.bench.workload import (
     Workload,
@@ -82,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--requests", type=int, help="counted requests per point")
     size.add_argument("--duration", type=float, help="seconds of counted load per point")
     load.add_argument("--warmup", type=int, help="uncounted requests first (default: one wave)")
+    load.add_argument(
+        "--stagger",
+        type=float,
+        default=DEFAULT_STAGGER_S,
+        metavar="S",
+        help="closed loop: seconds between successive clients' first requests "
+        f"(default {DEFAULT_STAGGER_S:g}; 0 starts them all at once)",
+    )
     load.add_argument("--seed", type=int, default=0)
     work = parser.add_argument_group("workload")
     work.add_argument(
@@ -164,6 +172,8 @@ def _plan(args: argparse.Namespace) -> tuple[SweepPlan, list[Workload]]:
             raise OptionError(f"--{name.replace('_', '-')} must be positive")
     if args.warmup is not None and args.warmup < 0:
         raise OptionError("--warmup must be >= 0")
+    if not args.stagger >= 0:
+        raise OptionError("--stagger must be >= 0")
     if not 0 < args.knee_fraction < 1:
         raise OptionError("--knee-fraction must be between 0 and 1")
     for option in ("json", "csv", "plot", "emit_policy"):  # fail before a long sweep
@@ -191,6 +201,7 @@ def _plan(args: argparse.Namespace) -> tuple[SweepPlan, list[Workload]]:
         seed=args.seed,
         fraction=args.knee_fraction,
         slo=slo,
+        stagger=args.stagger,
     )
     return plan, workloads
 

@@ -14,16 +14,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from gateway.bench.client import ApiUrl, TargetError, error_message, stream_request
 from gateway.bench.h1 import Client, TransportError
-from gateway.bench.phase import LoadPoint, Phase, Ticket, arrival_gaps
+from gateway.bench.phase import LoadPoint, Phase, Ticket, arrival_gaps, client_starts
 from gateway.bench.prompts import BodyOptions, Endpoint, PromptText, build_body, fit_prompts
 from gateway.bench.stats import RequestRecord
 from gateway.bench.target import Progress
 from gateway.bench.workload import RequestSpec, Workload
 
 PROBE_PROMPT_TOKENS = 16
+# A staggered client start is polled for over its last wall seconds (timers are coarser).
+START_POLL_S = 0.002
 
 
 class HttpTarget:
@@ -145,20 +148,34 @@ class HttpTarget:
             if phase.done:
                 done.set()
 
-        async def worker() -> None:
+        async def worker(start: float) -> None:
+            await self._until(start)
+            opening = True
             while not phase.done:
-                await one(phase.issue(self._clock()))
+                await one(phase.issue(self._clock(), opening=opening))
+                opening = False
             done.set()  # issue() itself can close a point that ran by duration
 
         async with anyio.create_task_group() as tg:
             if point.kind == "concurrency":
-                for _ in range(int(point.load)):
-                    tg.start_soon(worker)
+                origin = self._clock()
+                for offset in client_starts(point):
+                    tg.start_soon(worker, origin + offset)
             else:
                 tg.start_soon(self._arrivals, point, phase, one, done)
             await done.wait()
             tg.cancel_scope.cancel()  # fillers still in flight are not counted
         return phase
+
+    async def _until(self, t: float) -> None:
+        """Wait until ``t`` on the target's clock: the loop's timer to within a
+        millisecond of it (its precision, K times coarser on a sim's time), then
+        polled, so a staggered start lands where it does on the virtual clock."""
+        wait = (t - self._clock()) / self._speed - START_POLL_S
+        if wait > 0:
+            await anyio.sleep(wait)
+        while self._clock() < t:
+            await anyio.lowlevel.checkpoint()
 
     async def _arrivals(self, point: LoadPoint, phase: Phase, one: Any, done: anyio.Event) -> None:
         async with anyio.create_task_group() as tg:

@@ -6,6 +6,14 @@ keeps issuing uncounted filler requests until the last counted one finishes,
 so the counted requests never see the load fall while the tail drains. The
 measurement window runs from the first counted issue to the last counted
 finish; tokens delivered in it by any request make the point's throughput.
+
+A closed loop's clients start ``stagger`` seconds apart (:func:`client_starts`),
+the same on both clocks. With fixed output lengths a closed loop keeps its
+clients' relative phases for the whole point, so a burst start leaves clients
+finishing one engine step apart for good, and which of two such requests is
+prefilled first then turns on a fraction of a step of client latency.
+Requests issued before the last client started are warm-up too: the load is
+not yet complete.
 """
 
 from __future__ import annotations
@@ -30,10 +38,18 @@ class LoadPoint:
     arrival: Arrival = "poisson"
     seed: int = 0
     index_base: int = 0  # keeps request indexes (and prompt prefixes) unique per point
+    stagger: float = 0.0  # closed loop: seconds between successive clients' first requests
 
     @property
     def label(self) -> str:
         return f"c={self.load:g}" if self.kind == "concurrency" else f"{self.load:g} req/s"
+
+
+def client_starts(point: LoadPoint) -> list[float]:
+    """Seconds from the point's start to each closed-loop client's first request."""
+    if point.kind != "concurrency":
+        return []
+    return [k * point.stagger for k in range(int(point.load))]
 
 
 def arrival_gaps(point: LoadPoint) -> Iterator[float]:
@@ -59,6 +75,7 @@ class Phase:
         self._issued = 0
         self._counted_issued = 0
         self._counting_closed = False
+        self._unstarted = len(client_starts(point))  # clients yet to send a first request
         self._start: float | None = None
         self._end: float | None = None
 
@@ -76,10 +93,14 @@ class Phase:
     def target(self) -> int | None:
         return self.point.requests
 
-    def issue(self, now: float) -> Ticket:
+    def issue(self, now: float, *, opening: bool = False) -> Ticket:
+        """A request leaves now; ``opening``: a closed-loop client's first one."""
         index = self.point.index_base + self._issued
         self._issued += 1
-        if self._issued <= self.point.warmup or self._closed(now):
+        ramping = self.point.stagger > 0 and (opening or self._unstarted > 0)
+        if opening:
+            self._unstarted -= 1
+        if self._issued <= self.point.warmup or ramping or self._closed(now):
             self._maybe_end(now)
             return Ticket(index, counted=False)
         if self._start is None:

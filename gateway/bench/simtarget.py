@@ -3,18 +3,20 @@
 Each load point runs on a fresh engine, as if against an idle server. The
 engine calls back once per output token; replacements for finished requests
 (closed loop) are submitted between steps, never from inside a callback.
+A closed loop's clients send their first requests at :func:`client_starts`.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backends.sim.base import GenerationRequest, TokenEvent
 from gateway.bench.client import TargetError
-from gateway.bench.phase import LoadPoint, Phase, Ticket, arrival_gaps
+from gateway.bench.phase import LoadPoint, Phase, Ticket, arrival_gaps, client_starts
 from gateway.bench.stats import RequestRecord
 from gateway.bench.target import Progress
 from gateway.bench.workload import RequestSpec, Workload
@@ -103,8 +105,8 @@ class SimTarget:
         phase = Phase(point)
         finished: list[_Listener] = []
 
-        def submit() -> None:
-            ticket = phase.issue(engine.now)
+        def submit(opening: bool = False) -> None:
+            ticket = phase.issue(engine.now, opening=opening)
             spec = workload.spec(ticket.index)
             request = GenerationRequest(
                 request_id=str(ticket.index),
@@ -119,13 +121,17 @@ class SimTarget:
                 raise TargetError(f"{self.label}: {exc}") from None
 
         arrivals = arrival_gaps(point) if point.kind == "rate" else None
+        starts = deque(engine.now + t for t in client_starts(point))
         due = engine.now
-        if arrivals is None:
-            for _ in range(int(point.load)):
-                submit()
+        while starts and starts[0] <= engine.now:  # no stagger: every client at once
+            starts.popleft()
+            submit(opening=True)
         while not phase.done:
             step_end = engine.next_time()
-            if arrivals is not None and (step_end is None or due <= step_end):
+            if starts and (step_end is None or starts[0] <= step_end):
+                engine.advance_to(starts[0])
+                arrive = True
+            elif arrivals is not None and (step_end is None or due <= step_end):
                 engine.advance_to(due)
                 arrive = True
             elif step_end is None:
@@ -139,7 +145,10 @@ class SimTarget:
                 progress.tick(phase, engine.now)
                 if arrivals is None and not phase.done:
                     submit()
-            if arrive and arrivals is not None and not phase.done:
+            if arrive and starts and not phase.done:
+                starts.popleft()
+                submit(opening=True)
+            elif arrive and arrivals is not None and not phase.done:
                 submit()
                 due += next(arrivals)
         return phase

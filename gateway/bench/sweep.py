@@ -21,6 +21,10 @@ from gateway.bench.workload import Workload
 
 MIN_REQUESTS = 32
 POINT_INDEX_STRIDE = 1_000_000
+# Closed loop: seconds between successive clients' first requests (the target's time).
+# Twice a 1K-token prefill on the simulated L40S (51 ms): each client's prompt is
+# prefilled before the next client's arrives, so no two clients end a step apart.
+DEFAULT_STAGGER_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +38,7 @@ class SweepPlan:
     seed: int = 0
     fraction: float = 0.10
     slo: Slo | None = None
+    stagger: float = DEFAULT_STAGGER_S  # closed loop only
 
     def point(self, load: float, number: int) -> LoadPoint:
         requests = self.requests
@@ -53,6 +58,7 @@ class SweepPlan:
             arrival=self.arrival,
             seed=self.seed + number,
             index_base=number * POINT_INDEX_STRIDE,
+            stagger=self.stagger if self.kind == "concurrency" else 0.0,
         )
 
 
