@@ -222,15 +222,16 @@ class LateClients:
 
         self._engine.submit(request, Relay())
 
+    def _end_first(self) -> bool:
+        """A late end is due before (or with) the engine's next step."""
+        step = self._engine.next_time()
+        return bool(self._ends) and (step is None or self._ends[0][0] <= step)
+
     def next_time(self) -> float | None:
-        step: float | None = self._engine.next_time()
-        if self._ends and (step is None or self._ends[0][0] <= step):
-            return self._ends[0][0]
-        return step
+        return self._ends[0][0] if self._end_first() else self._engine.next_time()
 
     def advance(self) -> None:
-        step = self._engine.next_time()
-        if self._ends and (step is None or self._ends[0][0] <= step):
+        if self._end_first():
             at, _, listener, event = heapq.heappop(self._ends)
             self._engine.advance_to(at)
             listener.on_token(at, event)

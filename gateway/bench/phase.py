@@ -97,7 +97,7 @@ class Phase:
         """A request leaves now; ``opening``: a closed-loop client's first one."""
         index = self.point.index_base + self._issued
         self._issued += 1
-        ramping = self.point.stagger > 0 and (opening or self._unstarted > 0)
+        ramping = self.point.stagger > 0 and self._unstarted > 0  # an opening one included
         if opening:
             self._unstarted -= 1
         if self._issued <= self.point.warmup or ramping or self._closed(now):
