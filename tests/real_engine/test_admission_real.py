@@ -20,6 +20,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from tests.procs import Gateway, wait_until
 from tests.real_engine.conftest import (
     BACKEND,
+    POLL_PAUSE,
     SLOW,
     LongStreams,
     RealVllm,
@@ -56,10 +57,11 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, real_vllm: RealVllm) -> It
 
 
 class Watch:
-    """Calls ``read`` over and over on its own thread until the block ends; keeps each peak.
+    """Calls ``read`` every POLL_PAUSE on its own thread until the block ends; keeps each peak.
 
-    Each call is one poll; on 2 busy cores the engine's /metrics can take seconds to
-    answer, so the engine and the gateway get a watcher each.
+    Each call is one poll, and the engine and the gateway get a watcher each, so a slow
+    answer from one does not hold up the other's polls. The pause leaves the (niced)
+    engine its share of the cores: polled back to back, the two watchers starved it.
     """
 
     def __init__(self, read: Callable[[], dict[str, float]]) -> None:
@@ -81,7 +83,7 @@ class Watch:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop.wait(POLL_PAUSE):
                 for name, value in self.read().items():
                     self.peak[name] = max(self.peak.get(name, value), value)
         except Exception as exc:  # handed to the test in __exit__
