@@ -239,7 +239,7 @@ def start_real_gateway(tmp: Path, engine: RealVllm, limit: int, **config: Any) -
 
 def _serves(gateway: Gateway, model: str) -> bool:
     try:
-        response = httpx.get(gateway.url + "/v1/models", timeout=SLOW, trust_env=False)
+        response = _POLLS.get(gateway.url + "/v1/models")
     except httpx.HTTPError:
         return False
     return model in {m["id"] for m in response.json()["data"]}
