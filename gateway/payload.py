@@ -31,6 +31,10 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
             )
     if not isinstance(payload["model"], str):
         raise InvalidRequest("`model` must be a string", param="model", code="invalid_type")
+    if not isinstance(payload.get("stream", False), bool | None):
+        # Relayed as given, 1 or "true" would have the engine stream what the gateway
+        # reads as one answer, untimed and without its usage.
+        raise InvalidRequest("`stream` must be a boolean", param="stream", code="invalid_type")
     if endpoint == "/v1/chat/completions" and not isinstance(payload["messages"], list):
         raise InvalidRequest("`messages` must be an array", param="messages", code="invalid_type")
     return payload

@@ -8,6 +8,7 @@ on a failed attempt right away, otherwise by the finisher the relay calls.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,10 +46,13 @@ from policies.admission import (
 )
 from policies.token_budget import Claim
 
-# Client headers that are the gateway's business, not the backend's.
+# Client headers that are the gateway's business, not the backend's. ``expect``: the
+# gateway has the whole body before it sends upstream, so the backend must not be asked
+# to say 100 Continue first.
 _NOT_FORWARDED = frozenset(
     name.encode()
-    for name in HOP_BY_HOP | {"authorization", "accept-encoding", "x-request-id", "content-type"}
+    for name in HOP_BY_HOP
+    | {"authorization", "accept-encoding", "x-request-id", "content-type", "expect"}
 )
 # What every proxied request tells its backend: JSON, and a body in clear (the relay
 # must read SSE to time it).
@@ -146,10 +150,13 @@ def _prepare_stream(request: ProxyRequest) -> bool:
     return True
 
 
-async def _send(runtime: Runtime, url: str, fields: bytes, body: bytes) -> UpstreamResponse:
+async def _send(
+    runtime: Runtime, url: str, fields: bytes, body: bytes, flight: Flight
+) -> UpstreamResponse:
     """Straight to the transport: the proxied request needs none of the client layer
     (cookies, redirects, auth, event hooks), nor an ``httpx.Request``."""
-    return await runtime.transport.post(url, fields, body, runtime.current.upstream_timeouts)
+    timeouts = runtime.current.upstream_timeouts
+    return await runtime.transport.post(url, fields, body, timeouts, written=flight.mark_sent)
 
 
 def _status_of(error: Exception) -> RequestStatus:
@@ -189,19 +196,28 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
         replica = last_replica = lease.backend.backend
         tried.add(replica.name)
         last_attempt = attempt == max_attempts - 1 or left == 1
+        flight.sent = 0.0
         try:
             upstream = await _send(
                 runtime,
                 replica.url + request.endpoint,
                 _upstream_fields(request, replica, settings.auth.forward_client_key),
                 request.body,
+                flight,
             )
         except httpx.HTTPError as exc:
             _release(runtime, flight, lease, Outcome.DROPPED)
             replica.record_failure(settings.health.failure_threshold)
             last_error = exc
             continue
-        except BaseException:  # cancelled: the client left while we connected
+        except asyncio.CancelledError:  # the client left before the answer's head
+            try:
+                if flight.sent:  # the backend has it: it counts, though never answered
+                    runtime.recorder.finished(flight, replica, "client_closed")
+            finally:
+                _release(runtime, flight, lease, Outcome.IGNORE)
+            raise
+        except BaseException:
             _release(runtime, flight, lease, Outcome.IGNORE)
             raise
         if upstream.status_code >= 500 and not last_attempt:
@@ -325,6 +341,9 @@ async def _buffered(
     except httpx.HTTPError as exc:
         status = _status_of(exc)
         raise UpstreamError(f"upstream failed while sending its answer: {exc}") from exc
+    except asyncio.CancelledError:
+        status = "client_closed"  # the client left; the backend did not fail
+        raise
     finally:
         await upstream.aclose()
         try:

@@ -38,8 +38,11 @@ class RequestRecord:
     """One admitted request, measured with a monotonic clock.
 
     Times are seconds. ``queue_s`` runs from receipt until a backend was chosen
-    and the request admitted to it. ``ttft_s`` runs from receipt to the first
-    relayed SSE event carrying output; it is ``None`` for non-streaming requests
+    and the request admitted to it; ``upstream_s`` until its request was written to
+    that backend (the gateway's own share of the TTFT, queue wait and connecting
+    included; ``None`` when the request was never written).
+    ``ttft_s`` runs from receipt to the first relayed SSE event carrying output; it
+    is ``None`` for non-streaming requests
     (the whole body arrives at once, so their "first token" is their end-to-end
     time and would blur the TTFT distribution) and for streams that ended before
     any output. ``itl_s`` holds one gap per output token: an event carrying k
@@ -60,6 +63,7 @@ class RequestRecord:
     prompt_tokens: int | None
     completion_tokens: int | None
     request_id: str = ""
+    upstream_s: float | None = None  # receipt → the (last) upstream request written
 
     def summary(self) -> dict[str, object]:
         """What ``GET /admin/requests`` shows of it (ITL as count and mean, not every gap)."""
@@ -73,6 +77,7 @@ class RequestRecord:
             "stream": self.stream,
             "finish_reason": self.finish_reason,
             "queue_s": self.queue_s,
+            "upstream_s": self.upstream_s,
             "ttft_s": self.ttft_s,
             "itl_mean_s": sum(self.itl_s) / gaps if gaps else None,
             "itl_count": gaps,

@@ -45,6 +45,10 @@ class Flight:
     started: float  # receipt, perf_counter
     request_id: str = ""
     admitted: float = 0.0  # admission to a backend, perf_counter
+    sent: float = 0.0  # the (last) upstream request written, perf_counter; 0: none was
+
+    def mark_sent(self) -> None:
+        self.sent = time.perf_counter()
 
 
 class _Finished(NamedTuple):
@@ -124,6 +128,7 @@ class Recorder:
             stream=flight.stream,
             finish_reason=finish_reason,
             queue_s=flight.admitted - flight.started,
+            upstream_s=flight.sent - flight.started if flight.sent else None,
             ttft_s=ttft,
             itl_s=gaps,
             e2e_s=end - flight.started,

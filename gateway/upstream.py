@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpcore
 import httptools
@@ -38,6 +38,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.used = False  # has served a request: a failure may be a stale keep-alive
         self.counted = True  # holds one of the pool's ``max_connections`` slots
+        self.idle = False  # in the pool, no request on it
         self.timer: asyncio.TimerHandle | None = None
         self.deadline = 0.0
         self._reset()
@@ -47,6 +48,7 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.framed = False  # content-length or chunked: the end is not the close
+        self.interim = False  # parsing a 1xx response: the real one follows
         self.head_done = False
         self.keep_alive = False
         self.complete = False
@@ -63,6 +65,10 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.idle:
+            # Bytes nobody asked for: parsed later, they would answer the next request.
+            self.close()
+            return
         self.received = True
         try:
             self.parser.feed_data(data)
@@ -91,7 +97,14 @@ class _Connection(asyncio.Protocol):
             self.framed = True
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            # An interim answer (100 Continue, 103 Early Hints): not the response.
+            self.interim = True
+            self.headers = []
+            self.framed = False
+            return
+        self.status = status
         self.keep_alive = self.parser.should_keep_alive()  # reads False once complete
         self.head_done = True
         self._wake()
@@ -105,6 +118,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         self._wake()
 
@@ -285,11 +301,18 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         )
 
     async def post(
-        self, url: str, fields: bytes, body: bytes, timeouts: dict[str, float | None]
+        self,
+        url: str,
+        fields: bytes,
+        body: bytes,
+        timeouts: dict[str, float | None],
+        written: Callable[[], None] | None = None,
     ) -> UpstreamResponse:
         """``POST url`` with ``fields`` (``name: value\r\n`` lines, no Host or
         Content-Length) and ``body``, without building an ``httpx.Request``: the
-        proxied request's head is written from the client's raw header bytes."""
+        proxied request's head is written from the client's raw header bytes.
+        ``written()`` is called once the request is on the wire (again if a stale
+        keep-alive connection makes it send once more)."""
         target = _target(url)
         if target is None:
             request = httpx.Request(
@@ -299,6 +322,8 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 headers=_parse_fields(fields),
                 extensions={"timeout": timeouts},
             )
+            if written is not None:
+                written()  # as near as httpx lets us see
             response = await self._tls.handle_async_request(request)
             return UpstreamResponse(
                 response.status_code, response.headers.raw, _HttpxBody(response)
@@ -317,11 +342,16 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 b"\r\n",
             )
         )
-        conn = await self._exchange(origin, head, body, timeouts)
+        conn = await self._exchange(origin, head, body, timeouts, written)
         return UpstreamResponse(conn.status, conn.headers, _Body(self, conn, timeouts.get("read")))
 
     async def _exchange(
-        self, origin: _Origin, head: bytes, body: bytes, timeouts: dict[str, float | None]
+        self,
+        origin: _Origin,
+        head: bytes,
+        body: bytes,
+        timeouts: dict[str, float | None],
+        written: Callable[[], None] | None = None,
     ) -> _Connection:
         """Sends the request on a pooled connection; returns it once the head is in."""
         for attempt in range(2):
@@ -333,6 +363,8 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 conn.transport.write(head + body if len(body) < 65536 else head)
                 if len(body) >= 65536:
                     conn.transport.write(body)
+                if written is not None:
+                    written()
                 while not conn.head_done:
                     await conn.wait(timeouts.get("read"))
             except httpcore.RemoteProtocolError as exc:
@@ -353,6 +385,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         idle = self._idle.get(origin)
         while idle:
             conn = idle.pop()  # most recently used: the warmest
+            conn.idle = False
             if not conn.closed:
                 conn._reset()
                 return conn
@@ -404,6 +437,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
 
     def _release(self, conn: _Connection) -> None:
         if conn.reusable():
+            conn.idle = True
             self._idle.setdefault(conn.origin, deque()).append(conn)
         else:
             self._discard(conn)

@@ -2,6 +2,10 @@
 
 Run as ``python -m tests.echo_backend --port P``; the tests read what the
 gateway actually sent upstream, byte for byte, instead of trusting a mock.
+
+A body with ``"echo_stall": true`` gets the head and the first bytes of its answer, and
+never the rest: a backend caught in the middle of an answer. ``GET /stalled`` says how
+many answers are stalled so.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ MODELS = b'{"object":"list","data":[{"id":"echo","object":"model"}]}'
 
 
 class Echo(asyncio.Protocol):
+    stalled = 0  # answers begun and never finished, over every connection
+
     def __init__(self) -> None:
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
@@ -36,6 +42,16 @@ class Echo(asyncio.Protocol):
     def _answer(self, request_line: str, fields: list[tuple[str, ...]], body: bytes) -> None:
         if request_line.startswith("GET /v1/models"):
             payload = MODELS
+        elif request_line.startswith("GET /stalled"):
+            payload = json.dumps({"stalled": Echo.stalled}).encode()
+        elif b'"echo_stall": true' in body or b'"echo_stall":true' in body:
+            assert self.transport is not None
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: 1000\r\n\r\n{"
+            )
+            Echo.stalled += 1
+            return
         elif request_line.startswith("GET "):
             payload = b"{}"
         else:

@@ -56,5 +56,8 @@ def test_relay_bench_quick_run_produces_every_figure(tmp_path: Path) -> None:
             assert {"gateway", "backend", "loadgen"} <= set(phase["cpu_percent"])
     assert phases["hold"]["gateway"]["released"] is True
     assert phases["measured_by_gateway"]["ttft_samples"] > 0
+    # The gateway's own pre-send time is read from its request records: a part of the TTFT.
+    presend = figures[("(c)", "receipt to upstream write p50 ms, gateway's own clock")]
+    assert 0 < presend["gateway"] < figures[("(c)", "TTFT p50 ms")]["gateway"]
     # The printed table carries the same figures.
     assert "relayed chunks/s" in result.stdout and "via gateway" in result.stdout

@@ -11,6 +11,7 @@ import pytest
 
 from gateway.perf.backend import MODEL, BackendProtocol
 from gateway.upstream import UpstreamTransport
+from tests.polling import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -153,3 +154,130 @@ async def test_stall_mid_stream_is_a_read_timeout() -> None:
                 async for chunk in reply.aiter_raw():
                     received.append(chunk)
     assert received == [b"data: 1"]
+
+
+class _InterimFirst(asyncio.Protocol):
+    """Answers each request with ``interim`` (one or more 1xx responses), then its 200.
+
+    Counts the connections it was given, so reuse is seen from the server's side too."""
+
+    connections = 0
+
+    def __init__(self, interim: bytes) -> None:
+        self.interim = interim
+        self.requests = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        type(self).connections += 1
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        # Every request here is one write of head and body (no Expect), ended by its body.
+        self.requests += 1
+        self.transport.write(self.interim)  # type: ignore[attr-defined]
+        # The 200 goes out two loop turns later, so the client has read the interim
+        # responses alone (a loopback send is readable at once, and the client's read is
+        # run in the next turn): what a real backend does that says 100 before working.
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, self._answer)
+
+    def _answer(self) -> None:
+        body = b'{"answer": %d}' % self.requests
+        self.transport.write(  # type: ignore[attr-defined]
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-real: yes\r\n"
+            + b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+
+
+@pytest.mark.parametrize(
+    "interim",
+    [
+        b"HTTP/1.1 100 Continue\r\n\r\n",
+        b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n",
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n",
+    ],
+    ids=["100", "103", "100+103"],
+)
+async def test_interim_responses_are_skipped_and_the_connection_reused(interim: bytes) -> None:
+    """An interim 1xx is not the answer: taken for it (as before the fix), the caller got
+    a bodiless 1xx and the real 200 stayed on the pooled connection, where the next
+    request read it as its own. The caller must get the 200 with its own headers only
+    (no ``link`` from a 103) and its body; and the next request on the same connection
+    must get its own answer, not the first one's."""
+    _InterimFirst.connections = 0
+    server, url = await _server(lambda: _InterimFirst(interim))
+    transport = UpstreamTransport(max_connections=4)
+    async with server:
+        for n in (1, 2):
+            reply = await transport.post(url + "/v1/chat/completions", b"", b"{}", {})
+            assert reply.status_code == 200
+            names = [name.lower() for name, _ in reply.raw_headers]
+            assert b"x-real" in names and b"link" not in names
+            assert names.count(b"content-length") == 1
+            assert json.loads(await reply.aread()) == {"answer": n}
+            await reply.aclose()
+        assert transport._open == 1 and _InterimFirst.connections == 1  # reused
+        await transport.aclose()
+
+
+class _Unsolicited(asyncio.Protocol):
+    """Answers a request, then, once its client let the connection go idle (told by the
+    test through ``poke``), sends another response nobody asked for."""
+
+    made: list[_Unsolicited] = []
+
+    def __init__(self) -> None:
+        self.requests = 0
+        type(self).made.append(self)
+        self.number = len(type(self).made)  # which connection of the server's this is
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.requests += 1
+        body = b"own %d/%d" % (self.number, self.requests)
+        self._answer(body)
+
+    def _answer(self, body: bytes) -> None:
+        self.transport.write(  # type: ignore[attr-defined]
+            b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+
+    def poke(self) -> None:
+        self._answer(b"UNSOLICITED")
+
+
+async def test_unsolicited_bytes_on_an_idle_connection_close_it() -> None:
+    """Bytes on an idle pooled connection answer nobody; parsed later, they would answer
+    the next request (the cross-client leak). The transport must close that connection,
+    give the next request a fresh one and its own answer, and keep its count of open
+    connections right."""
+    _Unsolicited.made = []
+    server, url = await _server(_Unsolicited)
+    transport = UpstreamTransport(max_connections=2)
+    origin = ("127.0.0.1", _port(url))
+    async with server:
+        first = await transport.post(url + "/v1/chat/completions", b"", b"{}", {})
+        assert await first.aread() == b"own 1/1"
+        await first.aclose()
+        assert transport._open == 1 and len(transport._idle[origin]) == 1
+        [idle_conn] = transport._idle[origin]
+        _Unsolicited.made[0].poke()
+        await eventually(lambda: idle_conn.closed, "the idle connection was not closed")
+        second = await transport.post(url + "/v1/chat/completions", b"", b"{}", {})
+        assert await second.aread() == b"own 2/1"  # a new connection, its first answer
+        await second.aclose()
+        assert len(_Unsolicited.made) == 2
+        assert transport._open == 1  # the closed one no longer counts, the new one does
+        assert list(transport._idle[origin]) != [idle_conn] and len(transport._idle[origin]) == 1
+        # Both slots are usable: two requests at once each get a connection and an answer.
+        replies = await asyncio.gather(
+            *(transport.post(url + "/v1/chat/completions", b"", b"{}", {}) for _ in range(2))
+        )
+        bodies = sorted([await r.aread() for r in replies])
+        for reply in replies:
+            await reply.aclose()
+        assert bodies == [b"own 2/2", b"own 3/1"]
+        assert transport._open == 2
+        await transport.aclose()
