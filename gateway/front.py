@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 
-from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.disconnect import DisconnectWatch
 from gateway.errors import GatewayError, PayloadTooLarge, Unauthorized, openai_error_response
-from gateway.middleware import StampedSend, request_id_of
+from gateway.middleware import StampedSend, new_request_id
 from gateway.payload import REQUIRED_FIELD, parse_payload
 from gateway.protocol import ARRIVED_SCOPE_KEY
 from gateway.proxy import ProxyRequest, proxy
@@ -71,6 +70,16 @@ class Reply(StampedSend):
         return super().__call__(message)
 
 
+def header_map(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's headers by name (lower case, as uvicorn gives them), the first of
+    repeated ones, like ``Headers.get``: built in one pass, where each lookup in
+    Starlette's ``Headers`` scans and decodes the whole list again."""
+    headers: dict[str, str] = {}
+    for name, value in raw:
+        headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    return headers
+
+
 def bearer(headers: Mapping[str, str]) -> str | None:
     scheme, _, token = headers.get("authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
@@ -107,8 +116,8 @@ async def read_body(receive: Receive, headers: Mapping[str, str], limit: int) ->
 async def serve_proxied(scope: Scope, receive: Receive, send: Send) -> None:
     # TTFT and e2e start when the request's first bytes were read, not when this task ran.
     received = scope.get(ARRIVED_SCOPE_KEY) or time.perf_counter()
-    headers = Headers(scope=scope)
-    request_id = request_id_of(scope)
+    headers = header_map(scope["headers"])
+    request_id = headers.get("x-request-id", "")[:128] or new_request_id()
     reply = Reply(send, request_id)
     runtime: Runtime = scope["state"]["runtime"]
     endpoint = scope["path"]

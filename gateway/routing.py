@@ -72,7 +72,7 @@ def session_of(
     affinity = config.affinity
     if not affinity.enabled:
         return None
-    session = headers.get(affinity.header)
+    session = headers.get(affinity.header.lower())  # the names come in lower case
     if session:
         return session
     user = payload.get("user")

@@ -41,10 +41,12 @@ class _Connection(asyncio.Protocol):
         self.idle = False  # in the pool, no request on it
         self.timer: asyncio.TimerHandle | None = None
         self.deadline = 0.0
+        # One parser for the connection's life: after a complete response it waits for
+        # the next one, as keep-alive needs.
+        self.parser = httptools.HttpResponseParser(self)
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.framed = False  # content-length or chunked: the end is not the close

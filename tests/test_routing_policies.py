@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from gateway.settings import PoolConfig
+from gateway.routing import session_of
+from gateway.settings import AffinityConfig, PoolConfig, RoutingConfig
 from policies.affinity import SessionTable, Sticky
 from policies.headroom import Headroom
 from policies.least_loaded import LeastLoaded
@@ -247,3 +248,11 @@ def test_a_lender_keeps_its_headroom_for_its_own_queue_and_load() -> None:
     half_busy = {"short": full_short, "long": [load("l0", 4, 8)]}  # 5/8 with it > 0.5
     assert across(plan, half_busy)[0] is None
     assert across(PoolPlan("short"), {"short": full_short, "long": [load("l0", 0, 8)]})[0] is None
+
+
+def test_the_session_header_is_found_however_the_config_spells_it() -> None:
+    """The gateway reads request headers by their lower-case names (as HTTP/1.1 servers
+    hand them over), while an operator may configure the name as HTTP documents spell it."""
+    config = RoutingConfig(affinity=AffinityConfig(enabled=True, header="X-Session-Id"))
+    assert session_of({"x-session-id": "abc"}, {}, config) == "abc"
+    assert session_of({}, {"user": "alice"}, config) == "user:alice"
