@@ -46,6 +46,13 @@ ITL_BUCKETS: tuple[float, ...] = (
     0.035, 0.04, 0.05, 0.065, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 
+# The gateway's own time before a backend has the request: sub-millisecond when all is
+# well, milliseconds when it connects afresh or its event loop is saturated.
+OVERHEAD_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
+    0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+
 _REQ = ("backend", "pool", "model")
 _BACKEND = ("backend", "pool")
 _SeriesKey = tuple[str, str, str]
@@ -58,6 +65,7 @@ class _Series:
     ttft: Histogram
     e2e: Histogram
     queue: Histogram
+    overhead: Histogram
     prompt: Counter
     completion: Counter
 
@@ -97,6 +105,13 @@ class GatewayMetrics:
             "kneecap_request_queue_seconds",
             "Receipt to admission on a backend (admitted only).",
             LATENCY_BUCKETS,
+        )
+        self.overhead = _hist(
+            r,
+            "kneecap_request_overhead_seconds",
+            "Receipt to the request written upstream, queue wait excluded: the gateway's own "
+            "time before the backend has it.",
+            OVERHEAD_BUCKETS,
         )
         self.requests = _counter(
             r, "kneecap_requests", "Requests that reached a backend, by outcome.", *_REQ, "status"
@@ -140,7 +155,8 @@ class GatewayMetrics:
         for result in ("ok", "error"):
             self.config_reloads.labels(result)
         self._per_request: tuple[Histogram | Counter, ...] = (
-            self.ttft, self.e2e, self.queue, self.prompt_tokens, self.completion_tokens,
+            self.ttft, self.e2e, self.queue, self.overhead, self.prompt_tokens,
+            self.completion_tokens,
         )  # fmt: skip
         self._per_backend: tuple[Counter | Gauge, ...] = (
             self.engine_running, self.engine_waiting, self.engine_kv_usage, self.output_tps,
@@ -156,6 +172,8 @@ class GatewayMetrics:
         key = (record.backend, record.pool, record.model)
         series = self._series.get(key) or self._new_series(key)
         series.queue.observe(record.queue_s)
+        if record.upstream_s is not None:
+            series.overhead.observe(max(0.0, record.upstream_s - record.queue_s))
         series.e2e.observe(record.e2e_s)
         if record.ttft_s is not None:
             series.ttft.observe(record.ttft_s)
@@ -242,6 +260,7 @@ class GatewayMetrics:
             ttft=self.ttft.labels(*key),
             e2e=self.e2e.labels(*key),
             queue=self.queue.labels(*key),
+            overhead=self.overhead.labels(*key),
             prompt=self.prompt_tokens.labels(*key),
             completion=self.completion_tokens.labels(*key),
         )

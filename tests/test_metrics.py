@@ -16,6 +16,7 @@ EXPECTED = {
     "kneecap_request_itl_seconds": "histogram",
     "kneecap_request_e2e_seconds": "histogram",
     "kneecap_request_queue_seconds": "histogram",
+    "kneecap_request_overhead_seconds": "histogram",
     "kneecap_requests": "counter",
     "kneecap_prompt_tokens": "counter",
     "kneecap_completion_tokens": "counter",
@@ -42,6 +43,7 @@ def record(backend: str = "vllm-0", **overrides: object) -> RequestRecord:
         "stream": True,
         "finish_reason": "stop",
         "queue_s": 0.002,
+        "upstream_s": 0.0025,
         "ttft_s": 0.05,
         "itl_s": [0.01, 0.02, 0.012],
         "e2e_s": 0.1,
@@ -94,6 +96,9 @@ def test_observe_request_counts_tokens_status_and_latencies() -> None:
     assert value(registry, "kneecap_completion_tokens_total", **labels) == 8
     assert value(registry, "kneecap_request_e2e_seconds_count", **labels) == 2
     assert value(registry, "kneecap_request_queue_seconds_count", **labels) == 2
+    # The gateway's own time: written upstream 0.5 ms after admission, twice.
+    assert value(registry, "kneecap_request_overhead_seconds_count", **labels) == 2
+    assert value(registry, "kneecap_request_overhead_seconds_sum", **labels) == pytest.approx(0.001)
     # A request without output contributes no TTFT and no ITL.
     assert value(registry, "kneecap_request_ttft_seconds_count", **labels) == 1
     assert value(registry, "kneecap_request_itl_seconds_count", **labels) == 3
@@ -177,3 +182,13 @@ def test_render_negotiates_openmetrics() -> None:
     body, content_type = render(registry, "application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text")
     assert body.endswith(b"# EOF\n")
+
+
+def test_a_request_never_written_upstream_has_no_overhead_sample() -> None:
+    """A client that left while the gateway connected: the request counts, but the
+    gateway's time before the upstream write was never completed, so it is not a sample."""
+    registry = CollectorRegistry()
+    GatewayMetrics(registry).observe_request(record(status="client_closed", upstream_s=None))
+    labels = {"backend": "vllm-0", "pool": "short", "model": "Qwen/Qwen3-4B"}
+    assert value(registry, "kneecap_requests_total", status="client_closed", **labels) == 1
+    assert value(registry, "kneecap_request_overhead_seconds_count", **labels) == 0
