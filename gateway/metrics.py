@@ -109,8 +109,8 @@ class GatewayMetrics:
         self.overhead = _hist(
             r,
             "kneecap_request_overhead_seconds",
-            "Receipt to the request written upstream, queue wait excluded: the gateway's own "
-            "time before the backend has it.",
+            "Receipt to the request written upstream, less the wait in the admission queue: "
+            "the gateway's own time (reading, routing, connecting) before the backend has it.",
             OVERHEAD_BUCKETS,
         )
         self.requests = _counter(
@@ -172,8 +172,8 @@ class GatewayMetrics:
         key = (record.backend, record.pool, record.model)
         series = self._series.get(key) or self._new_series(key)
         series.queue.observe(record.queue_s)
-        if record.upstream_s is not None:
-            series.overhead.observe(max(0.0, record.upstream_s - record.queue_s))
+        if record.overhead_s is not None:
+            series.overhead.observe(record.overhead_s)
         series.e2e.observe(record.e2e_s)
         if record.ttft_s is not None:
             series.ttft.observe(record.ttft_s)

@@ -193,6 +193,7 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             runtime.recorder.retried(last_replica)
         lease = await _admit(runtime, flight, route, priority, deadline, tried)
         flight.admitted = time.perf_counter()
+        flight.waited += lease.queue_wait
         replica = last_replica = lease.backend.backend
         tried.add(replica.name)
         last_attempt = attempt == max_attempts - 1 or left == 1

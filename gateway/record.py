@@ -39,8 +39,9 @@ class RequestRecord:
 
     Times are seconds. ``queue_s`` runs from receipt until a backend was chosen
     and the request admitted to it; ``upstream_s`` until its request was written to
-    that backend (the gateway's own share of the TTFT, queue wait and connecting
-    included; ``None`` when the request was never written).
+    that backend (queue wait and connecting included; ``None`` when the request was
+    never written), ``overhead_s`` the same less the time it waited in the admission
+    queue: the gateway's own share of the TTFT.
     ``ttft_s`` runs from receipt to the first relayed SSE event carrying output; it
     is ``None`` for non-streaming requests
     (the whole body arrives at once, so their "first token" is their end-to-end
@@ -64,6 +65,7 @@ class RequestRecord:
     completion_tokens: int | None
     request_id: str = ""
     upstream_s: float | None = None  # receipt → the (last) upstream request written
+    overhead_s: float | None = None  # upstream_s less the time spent queued for a permit
 
     def summary(self) -> dict[str, object]:
         """What ``GET /admin/requests`` shows of it (ITL as count and mean, not every gap)."""
@@ -78,6 +80,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason,
             "queue_s": self.queue_s,
             "upstream_s": self.upstream_s,
+            "overhead_s": self.overhead_s,
             "ttft_s": self.ttft_s,
             "itl_mean_s": sum(self.itl_s) / gaps if gaps else None,
             "itl_count": gaps,

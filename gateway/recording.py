@@ -46,6 +46,7 @@ class Flight:
     request_id: str = ""
     admitted: float = 0.0  # admission to a backend, perf_counter
     sent: float = 0.0  # the (last) upstream request written, perf_counter; 0: none was
+    waited: float = 0.0  # seconds spent in admission queues, over all attempts
 
     def mark_sent(self) -> None:
         self.sent = time.perf_counter()
@@ -119,6 +120,7 @@ class Recorder:
             usage = meter.usage
             finish_reason = meter.finish_reason
         ttft = meter.ttft if meter is not None else None
+        upstream_s = flight.sent - flight.started if flight.sent else None
         gaps = meter.token_gaps() if meter is not None else []
         record = RequestRecord(
             backend=replica.name,
@@ -128,7 +130,8 @@ class Recorder:
             stream=flight.stream,
             finish_reason=finish_reason,
             queue_s=flight.admitted - flight.started,
-            upstream_s=flight.sent - flight.started if flight.sent else None,
+            upstream_s=upstream_s,
+            overhead_s=None if upstream_s is None else max(0.0, upstream_s - flight.waited),
             ttft_s=ttft,
             itl_s=gaps,
             e2e_s=end - flight.started,

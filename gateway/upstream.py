@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpcore
 import httptools
@@ -41,12 +41,15 @@ class _Connection(asyncio.Protocol):
         self.idle = False  # in the pool, no request on it
         self.timer: asyncio.TimerHandle | None = None
         self.deadline = 0.0
-        # One parser for the connection's life: after a complete response it waits for
-        # the next one, as keep-alive needs.
-        self.parser = httptools.HttpResponseParser(self)
+        self.paused = False
         self._reset()
 
     def _reset(self) -> None:
+        # A fresh parser per request: whatever a misbehaving backend sent beyond its
+        # last answer cannot become the start of the next one.
+        self.parser = httptools.HttpResponseParser(self)
+        if self.paused and self.transport is not None:
+            self.transport.resume_reading()  # an answer completed while nobody read it
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.framed = False  # content-length or chunked: the end is not the close
@@ -67,8 +70,9 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self.idle:
-            # Bytes nobody asked for: parsed later, they would answer the next request.
+        if self.idle or self.complete:
+            # Bytes after the answer, that nobody asked for: kept, they could be read
+            # as the next request's answer. The connection is not reused.
             self.close()
             return
         self.received = True
@@ -91,6 +95,10 @@ class _Connection(asyncio.Protocol):
             self._fail(httpcore.RemoteProtocolError(f"peer closed connection without {what}"))
 
     # -- httptools callbacks ----------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # more after the answer, in the same read: as above
+            raise httptools.HttpParserError("bytes after the complete response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
@@ -317,15 +325,12 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         keep-alive connection makes it send once more)."""
         target = _target(url)
         if target is None:
-            request = httpx.Request(
-                "POST",
-                url,
-                content=body,
-                headers=_parse_fields(fields),
-                extensions={"timeout": timeouts},
-            )
+            extensions: dict[str, object] = {"timeout": timeouts}
             if written is not None:
-                written()  # as near as httpx lets us see
+                extensions["trace"] = _on_body_sent(written)
+            request = httpx.Request(
+                "POST", url, content=body, headers=_parse_fields(fields), extensions=extensions
+            )
             response = await self._tls.handle_async_request(request)
             return UpstreamResponse(
                 response.status_code, response.headers.raw, _HttpxBody(response)
@@ -465,6 +470,16 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 conn.close()
         self._idle.clear()
         await self._tls.aclose()
+
+
+def _on_body_sent(written: Callable[[], None]) -> Callable[[str, dict], Awaitable[None]]:
+    """httpcore's ``trace`` hook, calling ``written()`` once the body has been sent."""
+
+    async def trace(event: str, info: dict) -> None:
+        if event.endswith(".send_request_body.complete"):
+            written()
+
+    return trace
 
 
 @functools.lru_cache(maxsize=1024)

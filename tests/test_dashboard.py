@@ -178,6 +178,7 @@ def feed(metrics: GatewayMetrics, stop: threading.Event) -> None:
                     status=rng.choices(REQUEST_STATUSES, weights=(90, 4, 2, 2, 2))[0],
                     stream=True, finish_reason="stop", queue_s=(queue := rng.uniform(0, 0.05)),
                     upstream_s=queue + rng.uniform(0.0002, 0.003),
+                    overhead_s=rng.uniform(0.0002, 0.003),
                     ttft_s=rng.uniform(0.02, 2.0), itl_s=gaps, e2e_s=rng.uniform(0.5, 5.0),
                     prompt_tokens=rng.randint(10, 20000), completion_tokens=len(gaps),
                 )

@@ -44,6 +44,7 @@ def record(backend: str = "vllm-0", **overrides: object) -> RequestRecord:
         "finish_reason": "stop",
         "queue_s": 0.002,
         "upstream_s": 0.0025,
+        "overhead_s": 0.0005,
         "ttft_s": 0.05,
         "itl_s": [0.01, 0.02, 0.012],
         "e2e_s": 0.1,
@@ -96,7 +97,7 @@ def test_observe_request_counts_tokens_status_and_latencies() -> None:
     assert value(registry, "kneecap_completion_tokens_total", **labels) == 8
     assert value(registry, "kneecap_request_e2e_seconds_count", **labels) == 2
     assert value(registry, "kneecap_request_queue_seconds_count", **labels) == 2
-    # The gateway's own time: written upstream 0.5 ms after admission, twice.
+    # The gateway's own time before the upstream write, queue wait excluded: 0.5 ms, twice.
     assert value(registry, "kneecap_request_overhead_seconds_count", **labels) == 2
     assert value(registry, "kneecap_request_overhead_seconds_sum", **labels) == pytest.approx(0.001)
     # A request without output contributes no TTFT and no ITL.
@@ -188,7 +189,8 @@ def test_a_request_never_written_upstream_has_no_overhead_sample() -> None:
     """A client that left while the gateway connected: the request counts, but the
     gateway's time before the upstream write was never completed, so it is not a sample."""
     registry = CollectorRegistry()
-    GatewayMetrics(registry).observe_request(record(status="client_closed", upstream_s=None))
+    never_written = record(status="client_closed", upstream_s=None, overhead_s=None)
+    GatewayMetrics(registry).observe_request(never_written)
     labels = {"backend": "vllm-0", "pool": "short", "model": "Qwen/Qwen3-4B"}
     assert value(registry, "kneecap_requests_total", status="client_closed", **labels) == 1
     assert value(registry, "kneecap_request_overhead_seconds_count", **labels) == 0

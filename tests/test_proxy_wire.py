@@ -245,6 +245,7 @@ def test_openai_client_gets_the_backends_answer_and_a_timed_record(
     assert record["completion_tokens"] == 8
     assert 0 < record["upstream_s"] < record["e2e_s"]
     assert record["queue_s"] <= record["upstream_s"]
+    assert 0 < record["overhead_s"] <= record["upstream_s"]
 
 
 # --- 2. Expect: 100-continue -------------------------------------------------------
@@ -375,6 +376,8 @@ def test_request_that_must_queue_waits_for_the_permit_and_is_answered(tmp_path: 
         assert waited["status"] == "ok"
         assert waited["queue_s"] > 0.1  # it waited for the long stream, not for a turn
         assert waited["queue_s"] <= waited["upstream_s"] < waited["e2e_s"]
+        # Its own time before the write leaves the queue wait out: a small part of it.
+        assert 0 < waited["overhead_s"] < waited["upstream_s"] - 0.1
         assert record_of(gw, long_id)["status"] == "ok"
         ids = [r["request_id"] for r in records(gw)]
         assert ids.index(long_id) < ids.index(queued_id)  # answered once the first ended

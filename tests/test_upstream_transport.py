@@ -281,3 +281,98 @@ async def test_unsolicited_bytes_on_an_idle_connection_close_it() -> None:
         assert bodies == [b"own 2/2", b"own 3/1"]
         assert transport._open == 2
         await transport.aclose()
+
+
+class _TrailingBytes(asyncio.Protocol):
+    """The server's first connection answers with a complete response followed by the
+    start of another (``trailer``), as a misbehaving backend might; the others cleanly."""
+
+    made: list[_TrailingBytes] = []
+
+    def __init__(self, trailer: bytes, same_write: bool) -> None:
+        self.trailer = trailer
+        self.same_write = same_write
+        type(self).made.append(self)
+        self.number = len(type(self).made)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        body = b'{"n": %d}' % self.number
+        answer = b"HTTP/1.1 200 OK\r\nx-own: yes\r\ncontent-length: %d\r\n\r\n%s" % (
+            len(body),
+            body,
+        )
+        if self.number > 1:
+            self.transport.write(answer)  # type: ignore[attr-defined]
+        elif self.same_write:
+            self.transport.write(answer + self.trailer)  # type: ignore[attr-defined]
+        else:
+            self.transport.write(answer)  # type: ignore[attr-defined]
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self.transport.write, self.trailer)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("same_write", [True, False], ids=["same-read", "later-read"])
+async def test_bytes_after_a_complete_answer_never_reach_the_next_request(
+    same_write: bool,
+) -> None:
+    """Bytes after the answer, before the connection went back to the pool: kept on the
+    connection, they would be parsed as the start of the next request's answer (a 500
+    with a stray header instead of that request's own 200). The connection must not be
+    reused, and the next request must get its own answer on a fresh one."""
+    _TrailingBytes.made = []
+    trailer = b"HTTP/1.1 500 Internal\r\nx-stray: "
+    server, url = await _server(lambda: _TrailingBytes(trailer, same_write))
+    transport = UpstreamTransport(max_connections=1)
+    async with server:
+        first = await transport.post(url + "/v1/chat/completions", b"", b"{}", {})
+        assert first.status_code == 200 and json.loads(await first.aread()) == {"n": 1}
+        # Read by the connection before it went back to the pool: it gives up on itself.
+        conn = first._body._conn  # type: ignore[union-attr]
+        await eventually(lambda: conn.closed, "the connection kept the trailing bytes")
+        await first.aclose()
+        second = await transport.post(url + "/v1/chat/completions", b"", b"{}", {})
+        assert second.status_code == 200
+        assert (b"x-own", b"yes") in second.raw_headers
+        assert all(name != b"x-stray" for name, _ in second.raw_headers)
+        assert json.loads(await second.aread()) == {"n": 2}  # a fresh connection's answer
+        await second.aclose()
+        assert transport._open == 1
+        await transport.aclose()
+
+
+class _BigAnswer(asyncio.Protocol):
+    """Answers every request at once with a body larger than the transport buffers
+    before it stops reading the socket."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        body = b"x" * 400_000
+        self.transport.write(  # type: ignore[attr-defined]
+            b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+
+
+async def test_a_connection_paused_on_a_whole_unread_answer_reads_again_when_reused() -> None:
+    """An answer larger than the buffer limit that arrived whole while nobody read it
+    (a slow client, or one gone) leaves reading paused on a complete, reusable
+    connection. Reused so, the next request would wait for bytes never read, and time
+    out against a healthy backend."""
+    server, url = await _server(_BigAnswer)
+    transport = UpstreamTransport(max_connections=1)
+    async with server:
+        first = await transport.post(url + "/v1/completions", b"", b"{}", {"read": 5.0})
+        conn = first._body._conn  # type: ignore[union-attr]
+        await eventually(lambda: conn.complete, "the whole answer never arrived")
+        assert conn.paused  # what makes this case: it stopped reading, then completed
+        await first.aclose()  # unread: the connection goes back to the pool as it is
+        second = await transport.post(url + "/v1/completions", b"", b"{}", {"read": 2.0})
+        assert second.status_code == 200
+        assert len(await second.aread()) == 400_000
+        await second.aclose()
+        assert transport._open == 1  # the same connection, reused
+        await transport.aclose()

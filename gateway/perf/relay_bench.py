@@ -377,7 +377,8 @@ def _presend(stack: Stack) -> tuple[float, float] | None:
     last requests (p50, p90 in ms): its pre-send share of the added TTFT, without the
     clients' and the kernel's part, so it moves far less from run to run."""
     url = stack.gateway.url + "/admin/requests?limit=256"
-    times = sorted(r["upstream_s"] * 1000 for r in httpx.get(url, timeout=5).json()["requests"])
+    records = httpx.get(url, timeout=5).json()["requests"]
+    times = sorted(r["upstream_s"] * 1000 for r in records if r["upstream_s"] is not None)
     if not times:
         return None
     return times[len(times) // 2], times[int(len(times) * 0.9)]
