@@ -156,7 +156,7 @@ async def _send(
     """Straight to the transport: the proxied request needs none of the client layer
     (cookies, redirects, auth, event hooks), nor an ``httpx.Request``."""
     timeouts = runtime.current.upstream_timeouts
-    return await runtime.transport.post(url, fields, body, timeouts, written=flight.mark_sent)
+    return await runtime.transport.post(url, fields, body, timeouts, on_wire=flight.mark_sent)
 
 
 def _status_of(error: Exception) -> RequestStatus:

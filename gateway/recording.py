@@ -48,8 +48,9 @@ class Flight:
     sent: float = 0.0  # the (last) upstream request written, perf_counter; 0: none was
     waited: float = 0.0  # seconds spent in admission queues, over all attempts
 
-    def mark_sent(self) -> None:
-        self.sent = time.perf_counter()
+    def mark_sent(self, on_wire: bool = True) -> None:
+        """The upstream request is on the wire now, or (False) its write was lost."""
+        self.sent = time.perf_counter() if on_wire else 0.0
 
 
 class _Finished(NamedTuple):

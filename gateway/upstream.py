@@ -316,18 +316,19 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         fields: bytes,
         body: bytes,
         timeouts: dict[str, float | None],
-        written: Callable[[], None] | None = None,
+        on_wire: Callable[[bool], None] | None = None,
     ) -> UpstreamResponse:
         """``POST url`` with ``fields`` (``name: value\r\n`` lines, no Host or
         Content-Length) and ``body``, without building an ``httpx.Request``: the
         proxied request's head is written from the client's raw header bytes.
-        ``written()`` is called once the request is on the wire (again if a stale
-        keep-alive connection makes it send once more)."""
+        ``on_wire(True)`` is called once the request is on the wire, and
+        ``on_wire(False)`` if that write was lost on a keep-alive connection the server
+        had closed, before it is sent again on a fresh one."""
         target = _target(url)
         if target is None:
             extensions: dict[str, object] = {"timeout": timeouts}
-            if written is not None:
-                extensions["trace"] = _on_body_sent(written)
+            if on_wire is not None:
+                extensions["trace"] = _on_body_sent(on_wire)
             request = httpx.Request(
                 "POST", url, content=body, headers=_parse_fields(fields), extensions=extensions
             )
@@ -349,7 +350,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 b"\r\n",
             )
         )
-        conn = await self._exchange(origin, head, body, timeouts, written)
+        conn = await self._exchange(origin, head, body, timeouts, on_wire)
         return UpstreamResponse(conn.status, conn.headers, _Body(self, conn, timeouts.get("read")))
 
     async def _exchange(
@@ -358,7 +359,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         head: bytes,
         body: bytes,
         timeouts: dict[str, float | None],
-        written: Callable[[], None] | None = None,
+        on_wire: Callable[[bool], None] | None = None,
     ) -> _Connection:
         """Sends the request on a pooled connection; returns it once the head is in."""
         for attempt in range(2):
@@ -370,14 +371,17 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 conn.transport.write(head + body if len(body) < 65536 else head)
                 if len(body) >= 65536:
                     conn.transport.write(body)
-                if written is not None:
-                    written()
+                if on_wire is not None:
+                    on_wire(True)
                 while not conn.head_done:
                     await conn.wait(timeouts.get("read"))
             except httpcore.RemoteProtocolError as exc:
                 self._discard(conn)
                 if reused and not conn.received and attempt == 0:
-                    continue  # the server closed a keep-alive connection: once more, fresh
+                    # The server closed a keep-alive connection: the write was lost.
+                    if on_wire is not None:
+                        on_wire(False)
+                    continue  # once more, fresh
                 raise httpx.RemoteProtocolError(str(exc)) from exc
             except httpcore.ReadTimeout as exc:
                 self._discard(conn)
@@ -472,12 +476,12 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         await self._tls.aclose()
 
 
-def _on_body_sent(written: Callable[[], None]) -> Callable[[str, dict], Awaitable[None]]:
-    """httpcore's ``trace`` hook, calling ``written()`` once the body has been sent."""
+def _on_body_sent(on_wire: Callable[[bool], None]) -> Callable[[str, dict], Awaitable[None]]:
+    """httpcore's ``trace`` hook, calling ``on_wire(True)`` once the body has been sent."""
 
     async def trace(event: str, info: dict) -> None:
         if event.endswith(".send_request_body.complete"):
-            written()
+            on_wire(True)
 
     return trace
 

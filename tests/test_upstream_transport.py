@@ -376,3 +376,51 @@ async def test_a_connection_paused_on_a_whole_unread_answer_reads_again_when_reu
         await second.aclose()
         assert transport._open == 1  # the same connection, reused
         await transport.aclose()
+
+
+class _ClosesKeptAlive(asyncio.Protocol):
+    """Answers the first request on each connection (keep-alive), and closes the
+    connection on the second without answering: a server whose idle timeout ran out just
+    as the client reused the connection."""
+
+    connections = 0
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        type(self).connections += 1
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.requests += 1
+        if self.requests > 1:
+            self.transport.close()
+            return
+        body = b'{"connection": %d}' % type(self).connections
+        self.transport.write(  # type: ignore[attr-defined]
+            b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+
+
+async def test_a_request_lost_on_a_closed_keep_alive_connection_is_sent_again() -> None:
+    """The server closed the pooled connection as the request was written: nothing came
+    back, so the request is sent once more on a fresh connection and answered there.
+    ``on_wire`` hears the lost write withdrawn, so a caller never counts a request as
+    delivered on the strength of a write the server never read."""
+    _ClosesKeptAlive.connections = 0
+    server, url = await _server(_ClosesKeptAlive)
+    transport = UpstreamTransport(max_connections=2)
+    async with server:
+        first = await transport.post(url + "/v1/completions", b"", b"{}", {"read": 5.0})
+        assert json.loads(await first.aread()) == {"connection": 1}
+        await first.aclose()
+        calls: list[bool] = []
+        second = await transport.post(
+            url + "/v1/completions", b"", b"{}", {"read": 5.0}, on_wire=calls.append
+        )
+        assert json.loads(await second.aread()) == {"connection": 2}
+        await second.aclose()
+        assert calls == [True, False, True]
+        assert transport._open == 1 and _ClosesKeptAlive.connections == 2
+        await transport.aclose()
