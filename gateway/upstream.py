@@ -78,8 +78,9 @@ class _Connection(asyncio.Protocol):
         self.received = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(httpcore.RemoteProtocolError(f"invalid HTTP response: {exc}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            # An upgrade (101) is no answer to a proxied POST either.
+            self._fail(httpcore.RemoteProtocolError(f"invalid HTTP response: {exc!r}"))
             self.close()
 
     def eof_received(self) -> bool:

@@ -424,3 +424,32 @@ async def test_a_request_lost_on_a_closed_keep_alive_connection_is_sent_again() 
         assert calls == [True, False, True]
         assert transport._open == 1 and _ClosesKeptAlive.connections == 2
         await transport.aclose()
+
+
+class _Upgrades(asyncio.Protocol):
+    """Answers with ``101 Switching Protocols``, which no proxied POST asked for."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(  # type: ignore[attr-defined]
+            b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
+            b"connection: upgrade\r\n\r\n\x81\x05hello"
+        )
+
+
+async def test_an_upgrade_answer_is_a_protocol_error_not_a_crash(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A 101 is neither an answer nor an interim one here: the request fails as a protocol
+    error (the gateway's 502), the connection is dropped, and nothing escapes into the
+    event loop's error log."""
+    server, url = await _server(_Upgrades)
+    transport = UpstreamTransport(max_connections=1)
+    async with server:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await transport.post(url + "/v1/completions", b"", b"{}", {"read": 5.0})
+        assert transport._open == 0
+        await transport.aclose()
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
