@@ -84,12 +84,22 @@ class _Silent(asyncio.Protocol):
     """Accepts and never answers."""
 
 
-class _DiesMidBody(asyncio.Protocol):
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
+class _Backend(asyncio.Protocol):
+    """A raw test backend: counts its connections (per class) and each one's requests."""
 
+    connections = 0
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        type(self).connections += 1
+        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+
+
+class _DiesMidBody(_Backend):
     def data_received(self, data: bytes) -> None:
-        self.transport.write(  # type: ignore[attr-defined]
+        self.transport.write(
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n7\r\ndata: 1\r\n"
         )
         self.transport.close()
@@ -135,12 +145,9 @@ async def test_read_timeout_is_per_gap_not_per_stream(backend: str) -> None:
     assert data.rstrip().endswith(b"data: [DONE]")
 
 
-class _StallsAfterOneChunk(asyncio.Protocol):
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
+class _StallsAfterOneChunk(_Backend):
     def data_received(self, data: bytes) -> None:
-        self.transport.write(  # type: ignore[attr-defined]
+        self.transport.write(
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n7\r\ndata: 1\r\n"
         )
 
@@ -156,25 +163,19 @@ async def test_stall_mid_stream_is_a_read_timeout() -> None:
     assert received == [b"data: 1"]
 
 
-class _InterimFirst(asyncio.Protocol):
+class _InterimFirst(_Backend):
     """Answers each request with ``interim`` (one or more 1xx responses), then its 200.
 
     Counts the connections it was given, so reuse is seen from the server's side too."""
 
-    connections = 0
-
     def __init__(self, interim: bytes) -> None:
+        super().__init__()
         self.interim = interim
-        self.requests = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        type(self).connections += 1
-        self.transport = transport
 
     def data_received(self, data: bytes) -> None:
         # Every request here is one write of head and body (no Expect), ended by its body.
         self.requests += 1
-        self.transport.write(self.interim)  # type: ignore[attr-defined]
+        self.transport.write(self.interim)
         # The 200 goes out two loop turns later, so the client has read the interim
         # responses alone (a loopback send is readable at once, and the client's read is
         # run in the next turn): what a real backend does that says 100 before working.
@@ -183,7 +184,7 @@ class _InterimFirst(asyncio.Protocol):
 
     def _answer(self) -> None:
         body = b'{"answer": %d}' % self.requests
-        self.transport.write(  # type: ignore[attr-defined]
+        self.transport.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-real: yes\r\n"
             + b"content-length: %d\r\n\r\n%s" % (len(body), body)
         )
@@ -220,19 +221,16 @@ async def test_interim_responses_are_skipped_and_the_connection_reused(interim: 
         await transport.aclose()
 
 
-class _Unsolicited(asyncio.Protocol):
+class _Unsolicited(_Backend):
     """Answers a request, then, once its client let the connection go idle (told by the
     test through ``poke``), sends another response nobody asked for."""
 
     made: list[_Unsolicited] = []
 
     def __init__(self) -> None:
-        self.requests = 0
+        super().__init__()
         type(self).made.append(self)
         self.number = len(type(self).made)  # which connection of the server's this is
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
 
     def data_received(self, data: bytes) -> None:
         self.requests += 1
@@ -240,9 +238,7 @@ class _Unsolicited(asyncio.Protocol):
         self._answer(body)
 
     def _answer(self, body: bytes) -> None:
-        self.transport.write(  # type: ignore[attr-defined]
-            b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-        )
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
 
     def poke(self) -> None:
         self._answer(b"UNSOLICITED")
@@ -283,20 +279,18 @@ async def test_unsolicited_bytes_on_an_idle_connection_close_it() -> None:
         await transport.aclose()
 
 
-class _TrailingBytes(asyncio.Protocol):
+class _TrailingBytes(_Backend):
     """The server's first connection answers with a complete response followed by the
     start of another (``trailer``), as a misbehaving backend might; the others cleanly."""
 
     made: list[_TrailingBytes] = []
 
     def __init__(self, trailer: bytes, same_write: bool) -> None:
+        super().__init__()
         self.trailer = trailer
         self.same_write = same_write
         type(self).made.append(self)
         self.number = len(type(self).made)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
 
     def data_received(self, data: bytes) -> None:
         body = b'{"n": %d}' % self.number
@@ -305,13 +299,13 @@ class _TrailingBytes(asyncio.Protocol):
             body,
         )
         if self.number > 1:
-            self.transport.write(answer)  # type: ignore[attr-defined]
+            self.transport.write(answer)
         elif self.same_write:
-            self.transport.write(answer + self.trailer)  # type: ignore[attr-defined]
+            self.transport.write(answer + self.trailer)
         else:
-            self.transport.write(answer)  # type: ignore[attr-defined]
+            self.transport.write(answer)
             loop = asyncio.get_running_loop()
-            loop.call_soon(loop.call_soon, self.transport.write, self.trailer)  # type: ignore[attr-defined]
+            loop.call_soon(loop.call_soon, self.transport.write, self.trailer)
 
 
 @pytest.mark.parametrize("same_write", [True, False], ids=["same-read", "later-read"])
@@ -343,18 +337,13 @@ async def test_bytes_after_a_complete_answer_never_reach_the_next_request(
         await transport.aclose()
 
 
-class _BigAnswer(asyncio.Protocol):
+class _BigAnswer(_Backend):
     """Answers every request at once with a body larger than the transport buffers
     before it stops reading the socket."""
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
     def data_received(self, data: bytes) -> None:
         body = b"x" * 400_000
-        self.transport.write(  # type: ignore[attr-defined]
-            b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-        )
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
 
 
 async def test_a_connection_paused_on_a_whole_unread_answer_reads_again_when_reused() -> None:
@@ -378,19 +367,10 @@ async def test_a_connection_paused_on_a_whole_unread_answer_reads_again_when_reu
         await transport.aclose()
 
 
-class _ClosesKeptAlive(asyncio.Protocol):
+class _ClosesKeptAlive(_Backend):
     """Answers the first request on each connection (keep-alive), and closes the
     connection on the second without answering: a server whose idle timeout ran out just
     as the client reused the connection."""
-
-    connections = 0
-
-    def __init__(self) -> None:
-        self.requests = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        type(self).connections += 1
-        self.transport = transport
 
     def data_received(self, data: bytes) -> None:
         self.requests += 1
@@ -398,9 +378,7 @@ class _ClosesKeptAlive(asyncio.Protocol):
             self.transport.close()
             return
         body = b'{"connection": %d}' % type(self).connections
-        self.transport.write(  # type: ignore[attr-defined]
-            b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-        )
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
 
 
 async def test_a_request_lost_on_a_closed_keep_alive_connection_is_sent_again() -> None:
@@ -426,14 +404,11 @@ async def test_a_request_lost_on_a_closed_keep_alive_connection_is_sent_again() 
         await transport.aclose()
 
 
-class _Upgrades(asyncio.Protocol):
+class _Upgrades(_Backend):
     """Answers with ``101 Switching Protocols``, which no proxied POST asked for."""
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
     def data_received(self, data: bytes) -> None:
-        self.transport.write(  # type: ignore[attr-defined]
+        self.transport.write(
             b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
             b"connection: upgrade\r\n\r\n\x81\x05hello"
         )
