@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.disconnect import DisconnectWatch
 from gateway.errors import GatewayError, PayloadTooLarge, Unauthorized, openai_error_response
-from gateway.middleware import StampedSend, new_request_id
+from gateway.middleware import StampedSend, request_id_from
 from gateway.payload import REQUIRED_FIELD, parse_payload
 from gateway.protocol import ARRIVED_SCOPE_KEY
 from gateway.proxy import ProxyRequest, proxy
@@ -117,7 +117,7 @@ async def serve_proxied(scope: Scope, receive: Receive, send: Send) -> None:
     # TTFT and e2e start when the request's first bytes were read, not when this task ran.
     received = scope.get(ARRIVED_SCOPE_KEY) or time.perf_counter()
     headers = header_map(scope["headers"])
-    request_id = headers.get("x-request-id", "")[:128] or new_request_id()
+    request_id = request_id_from(headers.get("x-request-id"))
     reply = Reply(send, request_id)
     runtime: Runtime = scope["state"]["runtime"]
     endpoint = scope["path"]

@@ -18,12 +18,16 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_id_counter):016x}"
 
 
-def request_id_of(scope: Scope) -> str:
+def request_id_from(presented: str | None) -> str:
     """The client's ``X-Request-ID`` (at most 128 characters), or a new one."""
+    return (presented or "")[:128] or new_request_id()
+
+
+def request_id_of(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
-            return value.decode("latin-1")[:128] or new_request_id()
-    return new_request_id()
+            return request_id_from(value.decode("latin-1"))
+    return request_id_from(None)
 
 
 class StampedSend:

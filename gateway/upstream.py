@@ -48,8 +48,7 @@ class _Connection(asyncio.Protocol):
         # A fresh parser per request: whatever a misbehaving backend sent beyond its
         # last answer cannot become the start of the next one.
         self.parser = httptools.HttpResponseParser(self)
-        if self.paused and self.transport is not None:
-            self.transport.resume_reading()  # an answer completed while nobody read it
+        self._resume()  # an answer may have completed, paused, while nobody read it
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.framed = False  # content-length or chunked: the end is not the close
@@ -60,7 +59,6 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
-        self.paused = False
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
 
@@ -184,10 +182,13 @@ class _Connection(asyncio.Protocol):
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         self.buffered = 0
-        if self.paused and self.transport is not None:
-            self.paused = False
-            self.transport.resume_reading()
+        self._resume()
         return data
+
+    def _resume(self) -> None:
+        if self.paused and self.transport is not None:
+            self.transport.resume_reading()
+        self.paused = False
 
     def reusable(self) -> bool:
         return self.complete and self.keep_alive and not self.closed

@@ -378,10 +378,9 @@ def _presend(stack: Stack) -> tuple[float, float] | None:
     clients' and the kernel's part, so it moves far less from run to run."""
     url = stack.gateway.url + "/admin/requests?limit=256"
     records = httpx.get(url, timeout=5).json()["requests"]
-    times = sorted(r["upstream_s"] * 1000 for r in records if r["upstream_s"] is not None)
-    if not times:
-        return None
-    return times[len(times) // 2], times[int(len(times) * 0.9)]
+    times = [r["upstream_s"] for r in records if r["upstream_s"] is not None]
+    p50, p90 = ms(percentile(times, 50)), ms(percentile(times, 90))
+    return None if p50 is None or p90 is None else (p50, p90)
 
 
 def _measured_by_gateway(stack: Stack) -> dict[str, float]:
