@@ -58,16 +58,21 @@ async def probe_all(
     on_change: Callable[[Replica], None],
 ) -> None:
     async def one(replica: Replica) -> None:
-        ok = await probe(client, replica, config)
+        try:
+            ok = await probe(client, replica, config)
+        except Exception:  # whatever one backend answers must not stop the others' probes
+            log.exception("probing backend %s failed", replica.name)
+            ok = False
         if ok != replica.healthy:
             (log.info if ok else log.warning)(
                 "backend %s is %s", replica.name, "up" if ok else "DOWN"
             )
-        was = replica.healthy
+        was, first = replica.healthy, not replica.probed
         replica.healthy = ok
+        replica.probed = True
         if ok:
             replica.consecutive_failures = 0
-        if ok != was:
+        if ok != was or first:  # requests queued for a new replica's first verdict hear it
             on_change(replica)
 
     async with anyio.create_task_group() as group:

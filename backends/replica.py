@@ -29,6 +29,7 @@ class Replica:
     in_flight: int = 0
     limit: int = UNLIMITED
     healthy: bool = False  # unknown until the first probe answers
+    probed: bool = False  # a probe has answered (or failed): False only for a new replica
     consecutive_failures: int = 0
     discovered_models: frozenset[str] = frozenset()
     engine: EngineGauges = field(default_factory=EngineGauges)
@@ -46,7 +47,11 @@ class Replica:
 
     def learn_models(self, listing: Mapping[str, Any]) -> None:
         """Digest the backend's ``/v1/models``: served models and context length."""
-        cards = [c for c in listing.get("data", ()) if isinstance(c, Mapping)]
+        # The backend's answer is untrusted: any other shape is a failed probe.
+        data = listing.get("data", ()) if isinstance(listing, Mapping) else None
+        if not isinstance(data, list | tuple):
+            raise ValueError(f"/v1/models is not an OpenAI model list: {type(listing).__name__}")
+        cards = [c for c in data if isinstance(c, Mapping)]
         if not self.config.models:
             self.discovered_models = frozenset(c["id"] for c in cards)
         lengths = [c["max_model_len"] for c in cards if isinstance(c.get("max_model_len"), int)]

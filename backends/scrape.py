@@ -109,7 +109,7 @@ async def scrape_one(client: httpx.AsyncClient, replica: Replica, timeout_s: flo
         text = response.text
         replica.engine = parse_engine_gauges(text, names, time.monotonic())
         replica.kv_capacity_tokens = parse_kv_capacity(text) or replica.kv_capacity_tokens
-    except ValueError as exc:
+    except Exception as exc:  # a backend's answer is untrusted input
         log.debug("unparsable /metrics from %s: %s", replica.name, exc)
 
 

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Mapping
+from functools import partial
 from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from starlette.responses import Response
 
 from backends.health import HealthProber, probe_all
 from backends.scrape import scrape_loop
+from gateway.background import keep_running
 from gateway.config_watch import watch_config_file
+from gateway.drain import Drain
 from gateway.errors import GatewayError, NotFound, error_body, openai_error_response
 from gateway.front import Front
 from gateway.metrics import GatewayMetrics
@@ -83,8 +86,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         return openai_error_response(NotFound(f"no route for {request.url.path}"))
-    body = error_body(str(exc.detail), "invalid_request_error", None, None)
-    return Response(body, status_code=exc.status_code, media_type="application/json")
+    code = "method_not_allowed" if exc.status_code == 405 else None
+    body = error_body(str(exc.detail), "invalid_request_error", None, code)
+    # A 405 names the allowed methods (RFC 9110 §15.5.6); Starlette puts them in headers.
+    return Response(
+        body, status_code=exc.status_code, media_type="application/json", headers=exc.headers
+    )
 
 
 def create_app(
@@ -92,6 +99,7 @@ def create_app(
     *,
     config_path: str | Path | None = None,
     sim_urls: Mapping[str, str] | None = None,
+    drain: Drain | None = None,
 ) -> Front:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Runtime]]:
@@ -117,22 +125,29 @@ def create_app(
             snapshot = runtime.current
             return snapshot.backends, snapshot.settings.measurement.scrape_interval_s
 
+        def close_admissions() -> None:
+            for admission in runtime.admissions.values():
+                admission.close()
+
+        if drain is not None:
+            drain.on_stop(close_admissions)
         prober = HealthProber(client, health_view, runtime.notify)
         runtime.on_reload = prober.probe_soon
         # One probe round before serving, so /ready and routing start informed.
         await probe_all(client, runtime.current.backends, settings.health, runtime.notify)
         async with anyio.create_task_group() as group:
-            group.start_soon(prober.run)
-            group.start_soon(scrape_loop, client, scrape_view)
-            group.start_soon(control_loop, runtime)
+            scrape = partial(scrape_loop, client, scrape_view)
+            group.start_soon(keep_running, "health prober", prober.run)
+            group.start_soon(keep_running, "engine scraper", scrape)
+            group.start_soon(keep_running, "limit control", partial(control_loop, runtime))
             if settings.watch_config and runtime.config_path:
-                group.start_soon(watch_config_file, runtime)
+                watch = partial(watch_config_file, runtime)
+                group.start_soon(keep_running, "config watcher", watch)
             _install_sighup(runtime)
             try:
                 yield {"runtime": runtime}
             finally:
-                for admission in runtime.admissions.values():
-                    admission.close()
+                close_admissions()
                 group.cancel_scope.cancel()
                 with anyio.CancelScope(shield=True):
                     await client.aclose()
@@ -155,9 +170,17 @@ async def control_loop(runtime: Runtime) -> None:
 
 
 def _install_sighup(runtime: Runtime) -> None:
+    def reload_on_signal() -> None:
+        # Not ``runtime.reload`` itself: an exception from a handler is logged by asyncio
+        # with the callback's repr, and that is the whole runtime.
+        try:
+            runtime.reload()
+        except Exception as exc:
+            log.error("SIGHUP reload failed: %s: %s", type(exc).__name__, exc)
+
     try:
         import asyncio
 
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, runtime.reload)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_on_signal)
     except (RuntimeError, NotImplementedError, ValueError):
         log.debug("SIGHUP reload unavailable here (not the main thread)")

@@ -15,6 +15,7 @@ from gateway.settings import ConfigError, Settings, load_settings
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
+    from gateway.drain import STOP_GRACE_S, Drain
     from gateway.protocol import GatewayProtocol
     from gateway.serving import build_embedded_sims, run_servers, server_config
 
@@ -26,7 +27,13 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or settings.listen.host
     port = args.port if args.port is not None else settings.listen.port
     sims = build_embedded_sims(settings.backends)
-    app = create_app(settings, config_path=args.config, sim_urls={s.name: s.url for s in sims})
+    drain = Drain(settings.listen.drain_timeout_s)
+    app = create_app(
+        settings,
+        config_path=args.config,
+        sim_urls={s.name: s.url for s in sims},
+        drain=drain,
+    )
     gateway = uvicorn.Server(
         server_config(
             app,
@@ -34,10 +41,12 @@ def _serve(args: argparse.Namespace) -> int:
             port,
             log_level=args.log_level,
             http=GatewayProtocol,  # stamps each request's arrival: TTFT starts there
+            # uvicorn cancels what still runs only after the drain closed the queues.
+            timeout_graceful_shutdown=drain.timeout_s + STOP_GRACE_S,
         )
     )
     _print_banner(settings, host, port, sims)
-    run_servers(gateway, sims)
+    run_servers(gateway, sims, drain)
     return 0
 
 

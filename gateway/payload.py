@@ -15,11 +15,18 @@ REQUIRED_FIELD = {
 }
 
 
-def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
+def load_json(body: bytes) -> Any:
+    """The body as JSON, or 400 ``invalid_json``."""
     try:
-        payload = json.loads(body)
+        return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:  # json's decoder recurses once per level of nesting
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from exc
+
+
+def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
+    payload = load_json(body)
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
     for field in ("model", REQUIRED_FIELD[endpoint]):

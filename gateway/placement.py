@@ -70,6 +70,16 @@ def candidates(runtime: Runtime, pool: str, route: Route, tried: set[str]) -> li
     ]
 
 
+def awaiting_probe(runtime: Runtime, route: Route, tried: set[str]) -> bool:
+    """A replica a reload just added could serve this request once probed: better to
+    wait for that verdict (a probe round starts at once) than to refuse."""
+    return any(
+        not r.probed and route.model in r.models and r.name not in tried and route.fits(r)
+        for pool in route.pools
+        for r in runtime.current.backends.in_pool(pool)
+    )
+
+
 def least_busy(replicas: list[Replica]) -> Replica:
     """The replica with the most headroom, for calls outside admission (``/tokenize``)."""
     return min(replicas, key=lambda r: r.in_flight / max(1, r.limit))
@@ -120,7 +130,8 @@ async def plan_route(
     serving = runtime.current.backends.serving(model)
     if not serving:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    healthy = [r for r in serving if r.healthy]
+    # Replicas a reload just added are not probed yet; they may well be up.
+    healthy = [r for r in serving if r.healthy or not r.probed]
     if not healthy:
         runtime.recorder.rejected(serving[0].pool, "no_backend")
         raise Unavailable(f"no healthy backend serves model `{model}`")
@@ -178,6 +189,8 @@ def make_pick(
         mono = time.monotonic()
         replicas = {pool: candidates(runtime, pool, route, tried) for pool in route.pools}
         if not any(replicas.values()):
+            if awaiting_probe(runtime, route, tried):
+                return None
             pools = "`, `".join(route.pools)
             raise NoHealthyBackend(f"no healthy backend in pool `{pools}` serves `{route.model}`")
         chosen = choose_across_pools(

@@ -3,7 +3,6 @@ raised, rendered once."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -20,8 +19,9 @@ from gateway.errors import (
     Unavailable,
     UpstreamError,
 )
-from gateway.front import PROXIED_PATHS, ProxiedEndpoint, bearer, client_priority
+from gateway.front import PROXIED_PATHS, ProxiedEndpoint, bearer, client_priority, read_body
 from gateway.metrics import render
+from gateway.payload import load_json
 from gateway.placement import backend_auth, least_busy
 from gateway.routing import token_limit_of
 from gateway.runtime import Runtime
@@ -44,11 +44,15 @@ async def tokenize(request: Request) -> Response:
     """
     require_client_key(request)
     runtime = runtime_of(request)
-    body = await request.body()
-    try:
-        model = json.loads(body).get("model")
-    except (ValueError, AttributeError):
-        raise InvalidRequest("request body must be a JSON object", code="invalid_json") from None
+    body = await read_body(
+        request.receive, request.headers, runtime.current.settings.max_body_bytes
+    )
+    if body is None:
+        return Response(status_code=204)  # the client hung up; nobody reads this
+    payload = load_json(body)
+    if not isinstance(payload, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest(
             "you must provide the `model` parameter",

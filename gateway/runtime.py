@@ -34,8 +34,9 @@ log = logging.getLogger("kneecap.runtime")
 class Snapshot:
     settings: Settings
     backends: BackendSet
-    client_keys: tuple[tuple[bytes, str], ...] = ()  # (key, priority class)
-    admin_token: bytes | None = None
+    # Secrets stay out of reprs: a logged traceback or a debugger print shows the snapshot.
+    client_keys: tuple[tuple[bytes, str], ...] = field(default=(), repr=False)  # (key, class)
+    admin_token: bytes | None = field(default=None, repr=False)
     # Per-request timeouts for the transport; a reload changes them for new requests.
     upstream_timeouts: dict[str, float] = field(default_factory=dict)
 
@@ -216,6 +217,10 @@ class Runtime:
             log.error("config reload rejected, keeping the old config: %s", exc)
             self.metrics.observe_config_reload(False)
             return ReloadResult(False, str(exc))
+        except Exception as exc:  # a config the checks above missed must not take us down
+            log.exception("config reload failed, keeping the old config")
+            self.metrics.observe_config_reload(False)
+            return ReloadResult(False, f"config could not be read: {type(exc).__name__}: {exc}")
         result = self.apply(settings)
         self.metrics.observe_config_reload(result.ok)
         (log.info if result.ok else log.error)("config reload: %s", result.message)

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp
 from backends.sim.arrival import HTTP_PROTOCOL
 from backends.sim.factory import make_engine
 from backends.sim.server import create_sim_app
+from gateway.drain import STOP_GRACE_S, Drain
 from gateway.settings import BackendConfig
 
 log = logging.getLogger("kneecap")
@@ -80,14 +81,16 @@ def build_embedded_sims(
     return sims
 
 
-def run_servers(gateway: uvicorn.Server, sims: Sequence[EmbeddedSim]) -> None:
+def run_servers(
+    gateway: uvicorn.Server, sims: Sequence[EmbeddedSim], drain: Drain | None = None
+) -> None:
     """Serve until stopped, on uvloop when it is installed (as uvicorn's ``loop="auto"``).
 
     The servers run inside ``anyio.run`` rather than ``uvicorn.Server.run``, so the
     event loop is chosen here; uvloop roughly halves the loop's own cost per
     socket read and write, which is most of what relaying a token costs.
     """
-    anyio.run(serve_with_sims, gateway, sims, backend_options={"use_uvloop": _has_uvloop()})
+    anyio.run(serve_with_sims, gateway, sims, drain, backend_options={"use_uvloop": _has_uvloop()})
 
 
 def _has_uvloop() -> bool:
@@ -98,7 +101,9 @@ def _has_uvloop() -> bool:
     return True
 
 
-async def serve_with_sims(gateway: uvicorn.Server, sims: Sequence[EmbeddedSim]) -> None:
+async def serve_with_sims(
+    gateway: uvicorn.Server, sims: Sequence[EmbeddedSim], drain: Drain | None = None
+) -> None:
     """Sims up first, gateway last; Ctrl-C/SIGTERM drains the gateway, then the sims.
 
     Signals are handled here rather than by uvicorn, which re-raises them once
@@ -111,17 +116,33 @@ async def serve_with_sims(gateway: uvicorn.Server, sims: Sequence[EmbeddedSim]) 
         while not all(s.server.started for s in sims):  # noqa: ASYNC110
             await anyio.sleep(0.01)
         async with anyio.create_task_group() as front:
-            front.start_soon(_stop_on_signal, gateway)
+            front.start_soon(_stop_on_signal, gateway, drain or Drain(0.0))
             await gateway._serve()
             front.cancel_scope.cancel()
         for sim in sims:
             sim.server.should_exit = True
 
 
-async def _stop_on_signal(gateway: uvicorn.Server) -> None:
+async def _stop_on_signal(gateway: uvicorn.Server, drain: Drain) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            if gateway.should_exit:  # a second Ctrl-C: stop waiting for open streams
-                gateway.force_exit = True
-            gateway.should_exit = True
-            log.info("received %s, draining", signal.Signals(signum).name)
+        async with anyio.create_task_group() as deadline:
+            async for signum in signals:
+                if gateway.should_exit:  # a second Ctrl-C: stop waiting for open streams
+                    drain.stop()
+                    await anyio.sleep(STOP_GRACE_S / 10)  # the queued requests' 503s out
+                    gateway.force_exit = True
+                    continue
+                gateway.should_exit = True
+                deadline.start_soon(_stop_after, drain)
+                log.info(
+                    "received %s, draining for up to %g s",
+                    signal.Signals(signum).name,
+                    drain.timeout_s,
+                )
+
+
+async def _stop_after(drain: Drain) -> None:
+    await anyio.sleep(drain.timeout_s)
+    if not drain.stopped:
+        log.warning("drain timeout (%g s): refusing queued requests", drain.timeout_s)
+    drain.stop()

@@ -29,6 +29,9 @@ class Frozen(BaseModel):
 class ListenConfig(Frozen):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # On SIGTERM/Ctrl-C, how long requests in flight and in the queues may take to
+    # finish; then the queued ones are answered 503 and the rest cut. Read at startup.
+    drain_timeout_s: float = Field(120.0, ge=0)
 
 
 class SimConfig(Frozen):
@@ -84,6 +87,17 @@ class PoolConfig(Frozen):
     max_queue_wait_ceiling_s: float = Field(120.0, ge=0)
     # While both classes wait, at least this share of the freed permits goes to `batch`.
     batch_share: float = Field(0.1, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _ceiling_above_wait(self) -> PoolConfig:
+        # A lower ceiling would shed the clients that ask to wait longer sooner than
+        # those that ask nothing.
+        if self.max_queue_wait_ceiling_s < self.max_queue_wait_s:
+            raise ValueError(
+                f"max_queue_wait_ceiling_s ({self.max_queue_wait_ceiling_s:g}) must be at least "
+                f"max_queue_wait_s ({self.max_queue_wait_s:g})"
+            )
+        return self
 
     def accepts(self, prompt_tokens: int) -> bool:
         upper = self.max_prompt_tokens
@@ -290,9 +304,11 @@ def format_validation_error(error: ValidationError) -> str:
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): {exc.reason}") from exc
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
@@ -303,6 +319,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def build_settings(data: dict[str, Any]) -> Settings:
+    # YAML allows any scalar as a key; keyword arguments must be strings.
+    odd = [repr(key) for key in data if not isinstance(key, str)]
+    if odd:
+        raise ConfigError(f"(top level): keys must be strings, got {', '.join(odd)}")
     try:
         return Settings(**data)
     except ValidationError as exc:

@@ -133,7 +133,7 @@ class Gateway:
 
 def start_gateway(tmp: Path, config: dict[str, Any], env: dict[str, str] | None = None) -> Gateway:
     port = free_port()
-    config = {**config, "listen": {"host": "127.0.0.1", "port": port}}
+    config = {**config, "listen": {**config.get("listen", {}), "host": "127.0.0.1", "port": port}}
     path = tmp / f"gateway-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = start_process(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -105,3 +106,49 @@ def test_no_healthy_backend_is_503(tmp_path: Path) -> None:
         assert httpx.get(gw.url + "/health", timeout=5).status_code == 200
     finally:
         gw.proc.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/embeddings", "/tokenize"])
+def test_json_nested_too_deeply_is_400_not_a_crash(gateway: Gateway, path: str) -> None:
+    # json's decoder recurses per level: past the interpreter's limit it raised out of
+    # the handler, and uvicorn answered a plain-text 500.
+    response = post(
+        gateway, path, content=b"[" * 5000, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert error_of(response)["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+def test_other_methods_on_a_proxied_path_are_405_naming_post(gateway: Gateway, method: str) -> None:
+    response = httpx.request(method, gateway.url + "/v1/chat/completions", timeout=10)
+    assert response.status_code == 405
+    assert error_of(response)["code"] == "method_not_allowed"
+    assert "POST" in response.headers["allow"]
+
+
+def test_tokenize_refuses_a_body_over_the_limit_like_the_proxied_paths(gateway: Gateway) -> None:
+    big = {"model": MODEL, "prompt": "x" * (17 * 1024 * 1024)}
+    response = post(gateway, "/tokenize", json=big)
+    assert response.status_code == 413
+    assert error_of(response)["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[1], [{"role": "user", "content": "lone \\ud800 surrogate"}]],
+    ids=["message-not-an-object", "lone-surrogate"],
+)
+def test_a_prompt_the_engine_cannot_read_is_its_400_not_a_500(
+    gateway: Gateway, messages: list
+) -> None:
+    # The simulator answered these with a bare text/plain 500, which the gateway retried
+    # on the other replica; vLLM answers 400 JSON, and so does the simulator now.
+    body = b'{"model": "%s", "messages": %s}' % (
+        MODEL.encode(),
+        json.dumps(messages).replace("\\\\u", "\\u").encode(),
+    )
+    response = post(gateway, "/v1/chat/completions", content=body)
+    assert response.status_code == 400
+    assert response.headers["content-type"].startswith("application/json")
+    assert error_of(response)["param"] == "messages"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from tests.procs import MODEL, backend, start_gateway, start_sim, wait_until
 
@@ -176,3 +177,45 @@ def test_models_are_discovered_and_listed_as_a_union(tmp_path: Path) -> None:
     finally:
         gw.proc.stop()
         qwen.stop()
+
+
+@pytest.mark.parametrize("change", ["rename", "respell_url"])
+def test_requests_queued_across_a_reload_that_replaces_their_backend_are_served(
+    tmp_path: Path, change: str
+) -> None:
+    # A renamed backend, or one whose URL is spelled differently, is a new replica, not
+    # probed yet at the reload. The queues were woken at once and found no healthy
+    # backend: every queued request, and fresh ones, got 503 no_healthy_backend.
+    sim = start_sim(tmp_path, ttft_ms=2, itl_ms=5)
+    static_1 = {"kind": "static", "initial": 1, "min": 1, "max": 1}
+    gw = start_gateway(
+        tmp_path,
+        {"backends": [backend("a", sim.url, limit=static_1)], "health": {"interval_s": 5}},
+    )
+    statuses: list[int] = []
+
+    def stream_one() -> None:
+        body = {**CHAT, "stream": True, "max_tokens": 60}
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            text = "".join(r.iter_text())
+            statuses.append(r.status_code if text.endswith("data: [DONE]\n\n") else -1)
+
+    threads = [threading.Thread(target=stream_one) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: gw.state()["pools"]["short"]["queue_depth"] == 3)
+        url = sim.url if change == "rename" else sim.url.replace("127.0.0.1", "localhost")
+        name = "b" if change == "rename" else "a"
+        gw.write_config({**gw.config, "backends": [backend(name, url, limit=static_1)]})
+        assert httpx.post(gw.url + "/admin/reload", timeout=5).json()["ok"] is True
+        fresh = httpx.post(
+            gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=30
+        )
+        for t in threads:
+            t.join(30)
+    finally:
+        gw.proc.stop()
+        sim.stop()
+    assert fresh.status_code == 200, fresh.text
+    assert statuses == [200] * 4

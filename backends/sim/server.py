@@ -92,7 +92,12 @@ class _Completions:
             return _error("messages: field required", 400, param="messages")
         if not chat and "prompt" not in payload:
             return _error("prompt: field required", 400, param="prompt")
-        prompt_tokens = _prompt_tokens(payload)
+        try:
+            prompt_tokens = _prompt_tokens(payload)
+        except (AttributeError, TypeError, UnicodeEncodeError) as exc:
+            # A message that is no object, a lone surrogate: vLLM answers these 400 too.
+            param = "messages" if chat else "prompt"
+            return _error(f"{param}: invalid: {type(exc).__name__}", 400, param=param)
         max_tokens = (
             payload.get("max_tokens") or payload.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
         )
