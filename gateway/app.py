@@ -140,7 +140,7 @@ def create_app(
             group.start_soon(keep_running, "health prober", prober.run)
             group.start_soon(keep_running, "engine scraper", scrape)
             group.start_soon(keep_running, "limit control", partial(control_loop, runtime))
-            if settings.watch_config and runtime.config_path:
+            if runtime.config_path:
                 watch = partial(watch_config_file, runtime)
                 group.start_soon(keep_running, "config watcher", watch)
             _install_sighup(runtime)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 import uvicorn
 
 from gateway.embedded import DEFAULT_MODEL
-from gateway.settings import ConfigError, Settings, load_settings
+from gateway.settings import CONFIG_ENV, ConfigError, Settings, load_settings
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -30,7 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
     drain = Drain(settings.listen.drain_timeout_s)
     app = create_app(
         settings,
-        config_path=args.config,
+        config_path=args.config or os.environ.get(CONFIG_ENV),  # the file load_settings read
         sim_urls={s.name: s.url for s in sims},
         drain=drain,
     )

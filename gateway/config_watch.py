@@ -13,6 +13,7 @@ POLL_INTERVAL_S = 1.0
 
 
 async def watch_config_file(runtime: Runtime) -> None:
+    """Polls while the live config says ``watch_config``: a reload can turn it on or off."""
     path = runtime.config_path
     if path is None:
         return
@@ -22,7 +23,8 @@ async def watch_config_file(runtime: Runtime) -> None:
         current = _mtime(path)
         if current != last:
             last = current
-            runtime.reload()
+            if runtime.current.settings.watch_config:
+                runtime.reload()
 
 
 def _mtime(path: anyio.Path | object) -> float | None:

@@ -153,6 +153,20 @@ def test_watched_config_file_reloads_itself(tmp_path: Path) -> None:
         sim.stop()
 
 
+def test_watch_config_turned_on_by_a_reload_takes_effect(tmp_path: Path) -> None:
+    # The watcher used to be started, or not, once at startup from the first config.
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    gw = start_gateway(tmp_path, {"backends": [backend("a", sim.url)]})
+    try:
+        gw.write_config({**gw.config, "watch_config": True})
+        assert httpx.post(gw.url + "/admin/reload", timeout=5).json()["ok"] is True
+        gw.write_config({**gw.config, "backends": [backend("renamed", sim.url)]})
+        wait_until(lambda: [b["name"] for b in gw.state()["backends"]] == ["renamed"])
+    finally:
+        gw.proc.stop()
+        sim.stop()
+
+
 def test_models_are_discovered_and_listed_as_a_union(tmp_path: Path) -> None:
     qwen = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
     llama = start_sim(tmp_path, ttft_ms=1, itl_ms=1, model="meta-llama/Llama-3.1-8B")
