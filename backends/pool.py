@@ -20,6 +20,11 @@ class BackendSet:
     _by_name: dict[str, Replica] = field(default_factory=dict, repr=False)
 
     @classmethod
+    def of(cls, replicas: Iterable[Replica]) -> BackendSet:
+        replicas = tuple(replicas)
+        return cls(replicas, {r.name: r for r in replicas})
+
+    @classmethod
     def build(
         cls,
         configs: Iterable[BackendConfig],
@@ -37,7 +42,7 @@ class BackendSet:
                 replicas.append(kept)
             else:
                 replicas.append(Replica(config=config, url=url))
-        return cls(tuple(replicas), {r.name: r for r in replicas})
+        return cls.of(replicas)
 
     def get(self, name: str) -> Replica | None:
         return self._by_name.get(name)

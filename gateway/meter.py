@@ -2,8 +2,8 @@
 
 TTFT is the first event that carries output (content, reasoning or a tool-call
 delta), not the role-only first chunk and not the first byte. Looking inside
-an event stops at a couple of byte searches; JSON is parsed only for the
-usage chunk, once per stream.
+an event stops at a couple of byte searches; JSON is parsed only for usage:
+the usage chunk's, and the finishing chunk's when it carries some.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ _OUTPUT = re.compile(
 )
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]+)"')
 _USAGE_CHUNK = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')  # not ``"usage":null``
+# An engine's error event, in any legal spelling: an ``error`` event type, or data
+# whose JSON object opens with an ``"error"`` key.
+_ERROR_EVENT = re.compile(
+    rb'(?:^|[\r\n])(?:event:[ ]?error[ \t]*(?:[\r\n]|$)|data:[ \t]*\{\s*"error"\s*:)'
+)
 _DONE = b"data: [DONE]"
 
 _OUTPUT_KEYS = (b'"content"', b'"reasoning_content"', b'"reasoning"', b'"text"')
@@ -33,6 +39,7 @@ _STRING_VALUE = re.compile(rb'\s*:\s*"(?!")')  # anchored right after an output 
 _TOOL_CALLS = re.compile(rb'"tool_calls"\s*:\s*\[\s*\{')
 _FINISH_VALUE = re.compile(rb'\s*:\s*"([A-Za-z_]+)"')  # anchored after "finish_reason"
 _EMPTY_ARRAY = re.compile(rb"\s*:\s*\[\s*\]")  # anchored after "choices"
+_OBJECT_VALUE = re.compile(rb"\s*:\s*\{")  # anchored after "usage"
 
 
 def carries_output(event: bytes) -> bool:
@@ -65,8 +72,16 @@ def finish_reason_of(event: bytes) -> str | None:
 
 
 def is_usage_chunk(event: bytes) -> bool:
-    """A usage key and an empty ``choices`` array (``_USAGE_CHUNK``): the usage-only chunk."""
-    if b'"usage"' not in event:
+    """Usage as an object (``_USAGE_OBJECT``) and an empty ``choices`` array
+    (``_USAGE_CHUNK``): the usage-only chunk. Empty choices with ``"usage":null`` are
+    some other event (a prompt filter's results), the client's to have."""
+    at = event.find(b'"usage"')
+    while at >= 0:
+        at += 7
+        if event.startswith(b":{", at) or _OBJECT_VALUE.match(event, at):
+            break
+        at = event.find(b'"usage"', at - 1)
+    else:
         return False
     at = event.find(b'"choices"')
     while at >= 0:
@@ -75,6 +90,14 @@ def is_usage_chunk(event: bytes) -> bool:
             return True
         at = event.find(b'"choices"', at - 1)
     return False
+
+
+def is_error_event(event: bytes) -> bool:
+    """``_ERROR_EVENT.search(event)``; the usual spelling costs one comparison, an event
+    without the word none but a byte search."""
+    if event.startswith(b'data: {"error"'):
+        return True
+    return b"error" in event and _ERROR_EVENT.search(event) is not None
 
 
 # Batching window updates keeps their cost off the per-chunk path while the
@@ -89,9 +112,15 @@ class Usage:
 
     @classmethod
     def from_json(cls, usage: Any) -> Usage | None:
+        """The backend's ``usage`` object; None for anything else (untrusted input: a count
+        that is no whole number must not cost the client its answer)."""
         if not isinstance(usage, dict):
             return None
-        return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+        prompt = usage.get("prompt_tokens") or 0
+        completion = usage.get("completion_tokens") or 0
+        if type(prompt) is not int or type(completion) is not int:
+            return None
+        return cls(prompt, completion)
 
 
 @dataclass(slots=True)
@@ -117,12 +146,17 @@ class StreamMeter:
     last_flush: float = 0.0
 
     def observe(self, events: list[bytes]) -> list[bytes] | None:
-        """Record ``events``; returns the events to forward when one must be dropped."""
+        """Record ``events``; returns the events to forward when some must be dropped."""
         now = self.clock()
-        dropped: int | None = None
+        dropped: list[int] | None = None
         for position, event in enumerate(events):
-            output = carries_output(event)
-            if output:
+            if self.finish_reason is None:
+                self.finish_reason = finish_reason_of(event)
+                if self.finish_reason is not None and b'"usage"' in event:
+                    # Usage riding on the last chunk with choices, not on one of its own
+                    # (continuous usage stats put it on every chunk): read here, once.
+                    self._read_usage(event)
+            if carries_output(event):
                 if self.first_output is None:
                     self.first_output = self.last_flush = now
                     if self.window is not None:
@@ -131,22 +165,20 @@ class StreamMeter:
                     self.gaps.append(now - self.last_output)  # type: ignore[operator]
                 self.last_output = now
                 self.output_events += 1
-            if self.finish_reason is None:
-                self.finish_reason = finish_reason_of(event)
             # The usage-only chunk has empty choices: it never carries output.
-            if not output and is_usage_chunk(event):
+            elif is_usage_chunk(event):
                 self._read_usage(event)
                 if self.strip_usage:
-                    dropped = position
+                    dropped = [position] if dropped is None else [*dropped, position]
             elif event.startswith(_DONE):
                 self.done = True
-            elif event.startswith(b'data: {"error"'):
+            elif is_error_event(event):
                 self.upstream_error = True
         if self.window is not None and now - self.last_flush >= FLUSH_INTERVAL_S:
             self.flush(now)
         if dropped is None:
             return None
-        return events[:dropped] + events[dropped + 1 :]
+        return [event for position, event in enumerate(events) if position not in dropped]
 
     def flush(self, now: float) -> None:
         """Hand the gaps and output events seen since the last flush to the window."""
@@ -160,22 +192,40 @@ class StreamMeter:
         self.last_flush = now
 
     def _read_usage(self, event: bytes) -> None:
-        payload = event.partition(b"data:")[2]
+        """Keeps the usage read before when this one cannot be read."""
         try:
-            self.usage = Usage.from_json(json.loads(payload).get("usage"))
+            usage = Usage.from_json(json.loads(_data_of(event)).get("usage"))
         except (ValueError, AttributeError):
-            self.usage = None
+            usage = None
+        if usage is not None:
+            self.usage = usage
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_output is None else self.first_output - self.started
 
     def token_gaps(self) -> list[float]:
-        """Inter-token latencies: an event carrying k tokens spreads its gap over k."""
-        if not self.gaps:
-            return []
+        """Inter-token latencies: the gap before an event carrying k tokens, as k values of
+        gap/k, so they add up to the time from the first output event to the last.
+
+        Events are taken to carry the usage's tokens evenly; k is a whole number per
+        event, spread so that the gaps hold ``floor(gaps * tokens per event)`` values.
+        Rounding down: a token counted by usage but carried by no output event (the EOS
+        of an empty final chunk) makes no gap of its own."""
+        gaps = self.gaps
         completion = self.usage.completion_tokens if self.usage else 0
-        per_event = completion / self.output_events if completion > self.output_events else 1.0
-        if per_event == 1.0:
-            return self.gaps
-        return [gap / per_event for gap in self.gaps for _ in range(round(per_event))]
+        if not gaps or completion <= self.output_events:
+            return gaps
+        count = len(gaps)
+        values = count * completion // self.output_events
+        spread = []
+        for index, gap in enumerate(gaps):
+            tokens = (index + 1) * values // count - index * values // count
+            spread += [gap / tokens] * tokens
+        return spread
+
+
+def _data_of(event: bytes) -> bytes:
+    """The event's data: its ``data:`` lines' values, joined by newlines."""
+    lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines)

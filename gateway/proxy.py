@@ -27,11 +27,18 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.meter import StreamMeter, Usage
-from gateway.placement import Route, candidates, make_pick, plan_route
+from gateway.meter import StreamMeter, Usage, finish_reason_of
+from gateway.placement import Route, awaiting_probe, candidates, make_pick, plan_route
 from gateway.record import RequestStatus
 from gateway.recording import Flight
-from gateway.relay import HOP_BY_HOP, StreamEnd, StreamRelay, WholeAnswer, response_headers
+from gateway.relay import (
+    HOP_BY_HOP,
+    StreamEnd,
+    StreamRelay,
+    WholeAnswer,
+    connection_options,
+    response_headers,
+)
 from gateway.runtime import Runtime
 from gateway.settings import PoolConfig
 from gateway.upstream import UpstreamResponse
@@ -114,7 +121,8 @@ def _max_queue_wait(request: ProxyRequest, pool: PoolConfig) -> float:
 
 def _upstream_fields(request: ProxyRequest, replica: Replica, forward_key: bool) -> bytes:
     """The upstream request's header lines, from the client's raw ones (no decoding)."""
-    lines = [b"%s: %s\r\n" % pair for pair in request.raw_headers if pair[0] not in _NOT_FORWARDED]
+    dropped = _NOT_FORWARDED | connection_options(request.headers.get("connection"))
+    lines = [b"%s: %s\r\n" % pair for pair in request.raw_headers if pair[0] not in dropped]
     lines.append(_FIXED_FIELDS)
     lines.append(b"x-request-id: %s\r\n" % request.request_id.encode("latin-1"))
     key = replica.config.resolved_api_key()
@@ -146,7 +154,10 @@ def _prepare_stream(request: ProxyRequest) -> bool:
     merged = dict(options) if isinstance(options, dict) else {}
     merged["include_usage"] = True
     payload = dict(request.payload, stream_options=merged)
-    request.body = json.dumps(payload, ensure_ascii=False).encode()
+    try:
+        request.body = json.dumps(payload, ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # a lone surrogate (valid as a JSON escape): keep it escaped
+        request.body = json.dumps(payload).encode()
     return True
 
 
@@ -187,11 +198,14 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
     max_attempts = settings.upstream.max_attempts
     for attempt in range(max_attempts):
         left = sum(len(candidates(runtime, p, route, tried)) for p in route.pools)
-        if not left:
+        if not left and not awaiting_probe(runtime, route, tried):
             break
         if last_replica is not None:
             runtime.recorder.retried(last_replica)
-        lease = await _admit(runtime, flight, route, priority, deadline, tried)
+        try:
+            lease = await _admit(runtime, flight, route, priority, deadline, tried)
+        except _NoRoomToRetry:
+            break  # the client hears of the failure it had, not of a queue it never chose
         flight.admitted = time.perf_counter()
         flight.waited += lease.queue_wait
         replica = last_replica = lease.backend.backend
@@ -252,6 +266,10 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
     raise Unavailable(f"no healthy backend serves model `{route.model}`")
 
 
+class _NoRoomToRetry(Exception):
+    """A retry found no capacity before the request's queue deadline."""
+
+
 async def _admit(
     runtime: Runtime,
     flight: Flight,
@@ -264,17 +282,23 @@ async def _admit(
     pick = make_pick(runtime, route, tried)
     try:
         return await runtime.admission(pool).acquire(pick, priority=priority, deadline=deadline)
-    except QueueFull as exc:
-        raise _shed(runtime, pool, "queue_full", f"pool `{pool}` queue is full", exc) from exc
-    except QueueTimeout as exc:
-        message = f"no capacity in pool `{pool}` within the queue deadline"
-        raise _shed(runtime, pool, "queue_timeout", message, exc) from exc
+    except (QueueFull, QueueTimeout) as exc:
+        if tried:  # a retry: the request was admitted once, it is no shed
+            raise _NoRoomToRetry from exc
+        raise _refusal(runtime, pool, exc) from exc
     except NoHealthyBackend as exc:
         runtime.recorder.rejected(pool, "no_backend")
         raise Unavailable(str(exc)) from exc
     except ShuttingDown as exc:
         runtime.recorder.rejected(pool, "shutting_down")
         raise Unavailable("the gateway is shutting down", code="shutting_down") from exc
+
+
+def _refusal(runtime: Runtime, pool: str, exc: QueueFull | QueueTimeout) -> GatewayError:
+    if isinstance(exc, QueueFull):
+        return _shed(runtime, pool, "queue_full", f"pool `{pool}` queue is full", exc)
+    message = f"no capacity in pool `{pool}` within the queue deadline"
+    return _shed(runtime, pool, "queue_timeout", message, exc)
 
 
 def _release(
@@ -333,14 +357,20 @@ async def _buffered(
 ) -> WholeAnswer:
     status: RequestStatus = "upstream_error"
     usage = None
+    finish_reason = None
     try:
         body = await upstream.aread()
         status = "ok" if upstream.status_code < 400 else "client_error"
         if upstream.status_code >= 500:
             status = "upstream_error"
-        usage = _usage_of(body) if status == "ok" else None
+        if status == "ok":
+            usage = _usage_of(body)
+            # The first choice's: engines write choices in order.
+            finish_reason = finish_reason_of(body)
     except httpx.HTTPError as exc:
         status = _status_of(exc)
+        if status == "upstream_timeout":
+            raise UpstreamTimeout(f"upstream timed out while sending its answer: {exc}") from exc
         raise UpstreamError(f"upstream failed while sending its answer: {exc}") from exc
     except asyncio.CancelledError:
         status = "client_closed"  # the client left; the backend did not fail
@@ -348,12 +378,16 @@ async def _buffered(
     finally:
         await upstream.aclose()
         try:
-            runtime.recorder.finished(flight, lease.backend.backend, status, usage=usage)
+            runtime.recorder.finished(
+                flight, lease.backend.backend, status, usage=usage, finish_reason=finish_reason
+            )
             _calibrate(runtime, route, usage)
         finally:
             _release(runtime, flight, lease, _OUTCOME[status])
-    length = (b"content-length", str(len(body)).encode())
-    return WholeAnswer(upstream.status_code, [*response_headers(upstream, extra), length], body)
+    headers = response_headers(upstream, extra)
+    if upstream.status_code not in (204, 304):  # RFC 9110 §8.6: no length on these
+        headers.append((b"content-length", str(len(body)).encode()))
+    return WholeAnswer(upstream.status_code, headers, body)
 
 
 _USAGE_KEY = b'"usage"'

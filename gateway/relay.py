@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.meter import StreamMeter
 from gateway.record import RequestStatus
-from gateway.sse import SSEFramer, join_events
+from gateway.sse import SSEFramer
 from gateway.upstream import UpstreamResponse
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus what the relay recomputes itself.
@@ -44,12 +44,23 @@ HOP_BY_HOP = frozenset(
 _NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP | {"date", "server"})
 
 
+def connection_options(value: str | bytes | None) -> frozenset[bytes]:
+    """Header names a ``Connection`` header lists: hop-by-hop too (RFC 9110 §7.6.1)."""
+    if not value:
+        return frozenset()
+    if isinstance(value, str):
+        value = value.encode("latin-1")
+    return frozenset(name.strip().lower() for name in value.split(b",")) - {b""}
+
+
 def response_headers(
     upstream: UpstreamResponse, extra: dict[str, str]
 ) -> list[tuple[bytes, bytes]]:
-    headers = [
-        (name, value) for name, value in upstream.raw_headers if name.lower() not in _NOT_RELAYED
-    ]
+    dropped = _NOT_RELAYED
+    for name, value in upstream.raw_headers:
+        if name.lower() == b"connection":
+            dropped = dropped | connection_options(value)
+    headers = [(name, value) for name, value in upstream.raw_headers if name.lower() not in dropped]
     headers += [(k.encode(), v.encode()) for k, v in extra.items()]
     return headers
 
@@ -130,19 +141,20 @@ class StreamRelay:
     async def _pump(self, send: Send) -> None:
         meter = self.meter
         framer = SSEFramer()
-        strip = meter.strip_usage
         try:
             async for chunk in self.upstream.aiter_raw():
-                carried = framer.pending
-                events = framer.feed(chunk)
-                kept = meter.observe(events) if events else None
-                # Only whole events go out when stripping, so a dropped one never leaks
-                # partially. A chunk of whole events, nothing dropped, goes out as it came.
-                if strip and (kept is not None or carried or framer.pending or b"\r" in chunk):
-                    chunk = join_events(events if kept is None else kept)
-                    if not chunk:
+                # Only whole events go out: a dropped one never leaks partially, and an
+                # error event never lands inside a half-sent one. The bytes are the
+                # backend's; a read of whole events, nothing dropped, goes out as it came.
+                whole, events = framer.feed(chunk)
+                if not events:
+                    continue
+                kept = meter.observe(events)
+                if kept is not None:
+                    whole = framer.join(kept)
+                    if not whole:
                         continue
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": whole, "more_body": True})
         except httpx.HTTPError as exc:
             message = f"upstream failed mid-stream: {type(exc).__name__}: {exc}".rstrip(": ")
             timed_out = isinstance(exc, httpx.TimeoutException)
@@ -153,10 +165,14 @@ class StreamRelay:
             )
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
+        # An event the close cut short is still the backend's (a usage chunk may be the
+        # last bytes, without their blank line): measured, and sent unless dropped.
+        tail = framer.pending
+        if tail and meter.observe([tail]) is not None:
+            tail = b""
         self._end = StreamEnd("upstream_error" if meter.upstream_error else "ok", meter)
         # The backend is done, so its permit goes back before the last write rather than
         # after: a closed-loop client sends its next request the instant that write lands,
         # and it used to wait for this bookkeeping (~0.1 ms with cold caches).
         await self._close_and_finish(self._end)
-        tail = framer.pending if strip else b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -97,6 +97,9 @@ class Runtime:
     on_reload: Callable[[], None] = lambda: None
     limits: LimitLoop = field(default_factory=LimitLoop)
     routing: RoutingState = field(default_factory=RoutingState)  # calibration, sessions
+    # Removed replicas still holding requests: a backend added back before they finish
+    # gets its replica back, in-flight count included, so its limit still holds.
+    retired: dict[str, Replica] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._sync_admissions()
@@ -139,9 +142,19 @@ class Runtime:
             self.metrics.register_backend(replica.name, replica.pool)
             replica.window.span_s = self.current.settings.measurement.window_s
 
+    def _forget_drained(self) -> None:
+        """Retired replicas whose last request ended leave, with the series those requests
+        recreated after the reload dropped them."""
+        for name, replica in list(self.retired.items()):
+            if replica.in_flight == 0:
+                del self.retired[name]
+                if self.current.backends.get(name) is None:
+                    self.metrics.remove_backend(name)
+
     def refresh_gauges(self) -> None:
         """Live state → gauges; run before each exposition, so requests pay nothing."""
         self.recorder.flush()
+        self._forget_drained()
         now = time.perf_counter()
         mono = time.monotonic()
         staleness = self.current.settings.measurement.scrape_staleness_s
@@ -198,9 +211,14 @@ class Runtime:
             message = "simulated backends can only be added at startup: " + ", ".join(unknown_sims)
             return ReloadResult(False, message)
         previous = self.current.backends
-        self.current = Snapshot.build(settings, previous, self.sim_urls)
+        returning = [r for r in self.retired.values() if previous.get(r.name) is None]
+        known = BackendSet.of([*previous.replicas, *returning])
+        self.current = Snapshot.build(settings, known, self.sim_urls)
+        live = set(map(id, self.current.backends.replicas))
+        self.retired = {r.name: r for r in known.replicas if id(r) not in live}
         self._sync_admissions()
         self._sync_metrics(previous)
+        self._forget_drained()
         self._sync_limits()
         self.notify()
         self.on_reload()

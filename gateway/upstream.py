@@ -88,7 +88,12 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self.transport = None
         if self.head_done and not self.complete and not self.framed:
-            self.on_message_complete()  # a body delimited by the close
+            if exc is None:
+                self.on_message_complete()  # a body delimited by the close
+            else:  # a reset is no close: the body was cut, not ended
+                self._fail(
+                    httpcore.ReadError(f"connection lost before the end of the body: {exc!r}")
+                )
         elif not self.complete:
             what = "response headers" if not self.head_done else "complete message body"
             self._fail(httpcore.RemoteProtocolError(f"peer closed connection without {what}"))
@@ -150,7 +155,9 @@ class _Connection(asyncio.Protocol):
         """Until the parser made progress, the connection failed, or ``limit_s`` passed.
 
         One timer per connection, re-armed only when it fires early, instead of a
-        timer made and cancelled for every chunk of a stream.
+        timer made and cancelled for every chunk of a stream. A timer left by an
+        earlier wait with a longer limit (a health probe's, or the read timeout before
+        a reload) would fire late: a deadline before it moves it forward.
         """
         if self.error is not None:
             raise self.error
@@ -158,9 +165,12 @@ class _Connection(asyncio.Protocol):
         if limit_s is None:
             self.deadline = float("inf")  # a timer still armed by an earlier wait lets go
         else:
-            self.deadline = self.loop.time() + limit_s
-            if self.timer is None:
-                self.timer = self.loop.call_at(self.deadline, self._check_deadline)
+            self.deadline = deadline = self.loop.time() + limit_s
+            timer = self.timer
+            if timer is None or deadline < timer.when():
+                if timer is not None:
+                    timer.cancel()
+                self.timer = self.loop.call_at(deadline, self._check_deadline)
         try:
             await waiter
         finally:
@@ -223,6 +233,8 @@ class _Body(httpx.AsyncByteStream):
             raise httpx.ReadTimeout(str(exc)) from exc
         except httpcore.RemoteProtocolError as exc:
             raise httpx.RemoteProtocolError(str(exc)) from exc
+        except httpcore.ReadError as exc:
+            raise httpx.ReadError(str(exc)) from exc
 
     def close_nowait(self) -> bool:
         """Gives the connection back (to the pool, or closed) at once; never waits."""

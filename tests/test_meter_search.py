@@ -12,7 +12,7 @@ FRAGMENTS = [
     b'"content"', b'"reasoning_content"', b'"reasoning"', b'"text"', b'"tool_calls"',
     b'"finish_reason"', b'"choices"', b'"usage"', b":", b'"', b" ", b"\t", b"\n", b"[", b"]",
     b"{", b"}", b"null", b"stop", b"length", b"x", b'""', b'":"', b'",', b"data: ", b'\\"',
-    b'"content"content"', b"_",
+    b'"content"content"', b"_", b"error", b'"error"', b"event: error", b"data:", b"\r",
 ]  # fmt: skip
 
 
@@ -36,6 +36,7 @@ def _events(count: int) -> list[bytes]:
         (b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}', False, None,
          True),
         (b'data: {"choices": [ ], "usage": {"prompt_tokens": 1}}', False, None, True),
+        (b'data: {"choices":[],"usage":null,"prompt_filter_results":[]}', False, None, False),
         (b"data: [DONE]", False, None, False),
     ],
 )  # fmt: skip
@@ -50,5 +51,52 @@ def test_byte_search_matches_the_regular_expressions() -> None:
         assert meter.carries_output(event) == bool(meter._OUTPUT.search(event)), event
         found = meter._FINISH.search(event)
         assert meter.finish_reason_of(event) == (found.group(1).decode() if found else None), event
-        usage = b'"usage"' in event and meter._USAGE_CHUNK.search(event) is not None
-        assert meter.is_usage_chunk(event) == usage, event
+        usage = meter._USAGE_OBJECT.search(event) and meter._USAGE_CHUNK.search(event)
+        assert meter.is_usage_chunk(event) == bool(usage), event
+        assert meter.is_error_event(event) == bool(meter._ERROR_EVENT.search(event)), event
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b'data: {"error": {"message": "x"}}',
+        b'data:{"error":{"message":"x"}}',
+        b'data: { "error" : {"message": "x"}}',
+        b'event: error\ndata: {"message": "x"}',
+        b'id: 4\r\nevent: error\r\ndata: {"message": "x"}\r\n\r\n',
+    ],
+)
+def test_error_events_in_any_spelling(event: bytes) -> None:
+    assert meter.is_error_event(event)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b'data: {"choices":[{"delta":{"content":"error"}}]}',
+        b'data: {"object":"chat.completion.chunk","error_count":0}',
+        b"event: errors\ndata: {}",
+    ],
+)
+def test_events_that_merely_mention_errors(event: bytes) -> None:
+    assert not meter.is_error_event(event)
+
+
+@pytest.mark.parametrize(
+    ("gaps", "events", "completion", "count"),
+    [
+        ([0.1, 0.1], 3, 3, 2),  # one token an event: the gaps as they are
+        ([0.1, 0.1], 3, 4, 2),  # the EOS counted, in no output event: no gap of its own
+        ([0.1, 0.2, 0.3], 4, 10, 7),  # 2.5 tokens an event
+        ([0.3], 2, 6, 3),  # three tokens an event
+    ],
+)
+def test_token_gaps_add_up_to_the_time_between_output_events(
+    gaps: list[float], events: int, completion: int, count: int
+) -> None:
+    measured = meter.StreamMeter(started=0.0, gaps=gaps, output_events=events)
+    measured.usage = meter.Usage(prompt_tokens=1, completion_tokens=completion)
+    spread = measured.token_gaps()
+    assert len(spread) == count
+    assert sum(spread) == pytest.approx(sum(gaps))
+    assert min(spread) >= min(gaps) / (-(-completion // events))  # none cut finer than k

@@ -153,6 +153,37 @@ def test_watched_config_file_reloads_itself(tmp_path: Path) -> None:
         sim.stop()
 
 
+def test_a_backend_added_back_while_draining_keeps_its_in_flight_count(tmp_path: Path) -> None:
+    # Removed, a replica drains; added back before that ends, it used to start at 0 in
+    # flight and admit a whole new limit beside the streams still on the engine.
+    sim = start_sim(tmp_path, ttft_ms=2, itl_ms=20)
+    static_2 = {"kind": "static", "initial": 2, "min": 1, "max": 2}
+    with_a = {"backends": [backend("a", sim.url, limit=static_2)], "health": {"interval_s": 5}}
+    gw = start_gateway(tmp_path, with_a)
+
+    def stream_one() -> None:
+        body = {**CHAT, "stream": True, "max_tokens": 150}
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            r.read()
+
+    threads = [threading.Thread(target=stream_one) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: gw.state()["backends"][0]["in_flight"] == 2)
+        for config in ({**with_a, "backends": []}, with_a):
+            gw.write_config(config)
+            assert httpx.post(gw.url + "/admin/reload", timeout=5).json()["ok"] is True
+        (a,) = gw.state()["backends"]
+        assert a["in_flight"] == 2, a
+        for t in threads:
+            t.join(30)
+        wait_until(lambda: gw.state()["backends"][0]["in_flight"] == 0)
+    finally:
+        gw.proc.stop()
+        sim.stop()
+
+
 def test_watch_config_turned_on_by_a_reload_takes_effect(tmp_path: Path) -> None:
     # The watcher used to be started, or not, once at startup from the first config.
     sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)

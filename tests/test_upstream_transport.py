@@ -428,3 +428,33 @@ async def test_an_upgrade_answer_is_a_protocol_error_not_a_crash(
         assert transport._open == 0
         await transport.aclose()
     assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
+class _AnswersOnceThenStalls(_Backend):
+    """Answers the first request on a connection; never answers the ones after it."""
+
+    def data_received(self, data: bytes) -> None:
+        self.requests += 1
+        if self.requests == 1:
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+
+async def test_a_shorter_read_timeout_on_a_reused_connection_is_kept() -> None:
+    """The connection's last request waited with a longer read timeout (a health probe's,
+    or the read timeout before a reload), and its timer is still armed for that later
+    deadline. The next request's stall must be cut at its own, shorter, limit (before
+    the fix: at the old one, 5 s here)."""
+    _AnswersOnceThenStalls.connections = 0
+    server, url = await _server(_AnswersOnceThenStalls)
+    transport = UpstreamTransport(max_connections=1)
+    async with server:
+        first = await transport.post(url + "/health", b"", b"{}", {"read": 5.0})
+        assert await first.aread() == b"ok"
+        await first.aclose()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(httpx.ReadTimeout):
+            await transport.post(url + "/v1/completions", b"", b"{}", {"read": 0.2})
+        assert loop.time() - started < 2.0
+        assert _AnswersOnceThenStalls.connections == 1  # the same connection, reused
+        await transport.aclose()
