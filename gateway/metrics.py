@@ -230,6 +230,13 @@ class GatewayMetrics:
         for reason in REJECT_REASONS:
             self.rejected.labels(pool, reason)
 
+    def remove_pool(self, pool: str, priorities: Iterable[str]) -> None:
+        """Drop the series of a pool that left the configuration."""
+        for priority in priorities:
+            _remove_if_present(self.queue_depth, pool, priority)
+        for reason in REJECT_REASONS:
+            _remove_if_present(self.rejected, pool, reason)
+
     def register_backend(self, backend: str, pool: str) -> None:
         if self._backend_pool.get(backend, pool) != pool:
             self.remove_backend(backend)  # moved to another pool: drop the old label sets

@@ -155,6 +155,7 @@ class Runtime:
         """Live state → gauges; run before each exposition, so requests pay nothing."""
         self.recorder.flush()
         self._forget_drained()
+        self._sync_admissions()  # a removed pool whose last request ended goes
         now = time.perf_counter()
         mono = time.monotonic()
         staleness = self.current.settings.measurement.scrape_staleness_s
@@ -184,7 +185,16 @@ class Runtime:
         return self.admissions[pool]
 
     def _sync_admissions(self) -> None:
-        for name, pool in self.current.settings.pools.items():
+        pools = self.current.settings.pools
+        for name in [n for n in self.admissions if n not in pools]:
+            admission = self.admissions[name]
+            # A removed pool's queue is served (or refused) by the notify that follows;
+            # it goes once nothing waits in it and no lease of it is held.
+            if admission.depth() == 0 and admission.leased == 0:
+                admission.close()
+                del self.admissions[name]
+                self.metrics.remove_pool(name, [p.name.lower() for p in Priority])
+        for name, pool in pools.items():
             existing = self.admissions.get(name)
             if existing is None:
                 self.admissions[name] = PoolAdmission(

@@ -184,6 +184,24 @@ def test_a_backend_added_back_while_draining_keeps_its_in_flight_count(tmp_path:
         sim.stop()
 
 
+def test_a_pool_removed_by_a_reload_leaves_the_state_and_the_metrics(tmp_path: Path) -> None:
+    # Its queue and series stayed forever: /admin/state and the dashboard's queue panel
+    # kept showing a pool that no longer existed.
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    gw = start_gateway(tmp_path, {"backends": [backend("a", sim.url)]})  # pools short, long
+    try:
+        assert set(gw.state()["pools"]) == {"short", "long"}
+        gw.write_config({**gw.config, "pools": {"short": {}}})
+        assert httpx.post(gw.url + "/admin/reload", timeout=5).json()["ok"] is True
+        assert set(gw.state()["pools"]) == {"short"}
+        metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+        assert 'pool="short"' in metrics
+        assert 'pool="long"' not in metrics
+    finally:
+        gw.proc.stop()
+        sim.stop()
+
+
 def test_watch_config_turned_on_by_a_reload_takes_effect(tmp_path: Path) -> None:
     # The watcher used to be started, or not, once at startup from the first config.
     sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
