@@ -663,3 +663,22 @@ def test_non_streamed_client_leaving_mid_answer_is_not_the_backends_failure(
     finally:
         gw.proc.stop()
         echo.stop()
+
+
+def test_a_request_head_over_64_kib_is_431_and_the_gateway_serves_on(wire_gw: Gateway) -> None:
+    # httptools buffers a head of any size; the gateway held whatever a client sent.
+    big = RawConnection(wire_gw)
+    try:
+        big.send(post_bytes(CHAT, chat_body(), {"x-padding": "p" * (70 * 1024)}))
+        (answer,) = big.responses(1)
+    finally:
+        big.close()
+    assert answer["status"] == 431
+    assert json.loads(answer["body"])["error"]["code"] == "request_header_fields_too_large"
+    normal = RawConnection(wire_gw)
+    try:
+        normal.send(post_bytes(CHAT, chat_body(), {"x-padding": "p" * (32 * 1024)}))
+        (answer,) = normal.responses(1)
+    finally:
+        normal.close()
+    assert answer["status"] == 200
