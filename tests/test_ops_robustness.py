@@ -289,14 +289,12 @@ def test_drain_timeout_answers_queued_requests_503_and_exits(
         clients[1].start()
         wait_until(lambda: gw.state()["pools"]["short"]["queue_depth"] == 1)
         gw.proc.process.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
         clients[1].join(15)
         assert queued, "the queued request got no answer"
         assert queued[0].status_code == 503, queued[0].text
         assert queued[0].json()["error"]["code"] == "shutting_down"
-        # Deadline 1 s plus a few for the lifespan to close: long before the stream ends.
+        # Deadline 1 s plus a few for the lifespan to close: long before the 20 s stream ends.
         wait_until(lambda: gw.proc.process.poll() is not None, timeout=6)
-        assert time.monotonic() - signalled < 6
     finally:
         gw.proc.stop()
         for client in clients:
