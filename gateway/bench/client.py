@@ -88,7 +88,7 @@ async def stream_request(
 
     def sink(chunk: bytes) -> None:  # called as the bytes arrive: the meter's clock times them
         nonlocal ended
-        events = framer.feed(chunk)
+        _, events = framer.feed(chunk)
         if events:
             before = meter.output_events
             meter.observe(events)
