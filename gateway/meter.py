@@ -100,6 +100,27 @@ def is_error_event(event: bytes) -> bool:
     return b"error" in event and _ERROR_EVENT.search(event) is not None
 
 
+_CLIENT_ERROR_TYPES = frozenset({"BadRequestError", "invalid_request_error", "NotFoundError"})
+
+
+def blames_the_request(event: bytes) -> bool:
+    """An error event whose code is a 4xx (vLLM reports a request it finds bad after the
+    stream started this way): the request's fault, not the backend's. Read only for error
+    events, which end a stream."""
+    try:
+        error = json.loads(_data_of(event)).get("error")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(error, dict):
+        return False
+    code = error.get("code")
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    if isinstance(code, int) and not isinstance(code, bool):
+        return 400 <= code < 500
+    return error.get("type") in _CLIENT_ERROR_TYPES
+
+
 # Batching window updates keeps their cost off the per-chunk path while the
 # controller still sees a stream's tokens within a fraction of a second.
 FLUSH_INTERVAL_S = 0.25
@@ -137,6 +158,7 @@ class StreamMeter:
     usage: Usage | None = None
     finish_reason: str | None = None
     upstream_error: bool = False
+    client_error: bool = False  # the engine's error event blames the request (a 4xx code)
     done: bool = False
     # Live feed of the backend's rolling window (None: not fed, e.g. in the bench).
     window: RollingWindow | None = None
@@ -173,7 +195,10 @@ class StreamMeter:
             elif event.startswith(_DONE):
                 self.done = True
             elif is_error_event(event):
-                self.upstream_error = True
+                if blames_the_request(event):
+                    self.client_error = True
+                else:
+                    self.upstream_error = True
         if self.window is not None and now - self.last_flush >= FLUSH_INTERVAL_S:
             self.flush(now)
         if dropped is None:

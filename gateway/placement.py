@@ -13,6 +13,7 @@ tokens) on the chosen replica.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,12 +50,13 @@ class Route:
     context_tokens: int  # output tokens the context must hold besides the prompt
     cost: int  # prompt + max output tokens: its share of a token budget
     session: str | None
+    # The fewest tokens the longest sequence may have: what a context must hold.
+    longest_prompt: int
 
     def fits(self, replica: Replica) -> bool:
         """The replica's context can hold the prompt and the requested output."""
-        estimate = self.estimate
         return fits_context(
-            replica.max_model_len, estimate.tokens, self.context_tokens, estimate.exact
+            replica.max_model_len, self.longest_prompt, self.context_tokens, self.estimate.exact
         )
 
     @property
@@ -139,25 +141,27 @@ async def plan_route(
     estimate = await _estimate(runtime, payload, shape, serving)
     explicit = output_tokens(payload, 0)
     context_tokens = max(1, explicit)
+    # Each sequence of a batch (a list of prompts or inputs) has a context of its own.
+    longest = math.ceil(estimate.fewest * shape.longest_share)
     lengths = [r.max_model_len for r in serving]
-    if exceeds_every_context(lengths, estimate.tokens, context_tokens, estimate.exact):
+    if exceeds_every_context(lengths, longest, context_tokens, estimate.exact):
         largest = max(n for n in lengths if n is not None)
         raise ContextLengthExceeded(
             f"This model's maximum context length is {largest} tokens. However, you requested "
-            f"about {estimate.tokens + context_tokens} tokens "
-            f"({estimate.tokens} in the prompt, {context_tokens} in the completion).",
-            param="messages" if shape.chat else "prompt",
+            f"about {longest + context_tokens} tokens "
+            f"({longest} in the prompt, {context_tokens} in the completion).",
+            param=_prompt_param(payload),
         )
     spill = routing.spill
     holding = {
         r.pool
         for r in healthy
-        if fits_context(r.max_model_len, estimate.tokens, context_tokens, estimate.exact)
+        if fits_context(r.max_model_len, longest, context_tokens, estimate.exact)
     }
     plan = plan_pools(
         settings.pools,
         holding,
-        estimate.tokens,
+        math.ceil(estimate.tokens * shape.longest_share),  # the pools split sequence lengths
         to_longer=spill.to_longer,
         to_shorter=spill.to_shorter,
     )
@@ -172,7 +176,15 @@ async def plan_route(
         context_tokens=context_tokens,
         cost=estimate.tokens + (explicit or routing.token_budget.default_output_tokens),
         session=session_of(headers, payload, routing),
+        longest_prompt=longest,
     )
+
+
+def _prompt_param(payload: Mapping[str, Any]) -> str:
+    for field in ("messages", "prompt", "input"):
+        if field in payload:
+            return field
+    return "prompt"
 
 
 def make_pick(

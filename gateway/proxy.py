@@ -153,6 +153,10 @@ def _prepare_stream(request: ProxyRequest) -> bool:
         return True
     merged = dict(options) if isinstance(options, dict) else {}
     merged["include_usage"] = True
+    if merged.get("continuous_usage_stats"):
+        # vLLM honours it only with include_usage, which the client did not ask for: as
+        # asked, it would put usage on every chunk the client gets.
+        merged["continuous_usage_stats"] = False
     payload = dict(request.payload, stream_options=merged)
     try:
         request.body = json.dumps(payload, ensure_ascii=False).encode()

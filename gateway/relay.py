@@ -112,7 +112,6 @@ class StreamRelay:
         self._finished = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        end = StreamEnd("client_closed", self.meter)
         try:
             await send(
                 {
@@ -126,7 +125,20 @@ class StreamRelay:
             pass  # ASGI ≥ 2.4: a send to a closed client
         finally:
             if not self._finished:
-                await self._close_and_finish(self._end or end)
+                await self._close_and_finish(self._end or self._cut_short())
+
+    def _cut_short(self) -> StreamEnd:
+        """The stream ended before the backend's body did: the client left. Unless it left
+        after [DONE]: it had it all, and the SDK stops reading there, though the backend
+        had yet to end its body."""
+        return StreamEnd(self._status() if self.meter.done else "client_closed", self.meter)
+
+    def _status(self) -> RequestStatus:
+        """How a stream whose body ended (or reached [DONE]) went, by what it carried."""
+        meter = self.meter
+        if meter.upstream_error:
+            return "upstream_error"
+        return "client_error" if meter.client_error else "ok"
 
     async def _close_and_finish(self, end: StreamEnd) -> None:
         """Give the upstream connection and the backend's permit back, once."""
@@ -170,7 +182,7 @@ class StreamRelay:
         tail = framer.pending
         if tail and meter.observe([tail]) is not None:
             tail = b""
-        self._end = StreamEnd("upstream_error" if meter.upstream_error else "ok", meter)
+        self._end = StreamEnd(self._status(), meter)
         # The backend is done, so its permit goes back before the last write rather than
         # after: a closed-loop client sends its next request the instant that write lands,
         # and it used to wait for this bookkeeping (~0.1 ms with cold caches).

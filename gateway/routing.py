@@ -123,4 +123,9 @@ class RoutingState:
         path = estimator.tokenizers.get(model) if estimator.mode == "tokenizer" else None
         if path is not None:
             return Estimate(self.tokenizers.count(path, shape), exact=True)
-        return Estimate(self.calibration.estimate(model, shape), exact=False)
+        calibration = self.calibration
+        return Estimate(
+            calibration.estimate(model, shape),
+            exact=False,
+            floor=calibration.floor(model, shape),
+        )

@@ -40,6 +40,15 @@ CHARS_PER_TOKEN_RANGE = (0.5, 16.0)
 class Estimate:
     tokens: int
     exact: bool  # counted by a tokenizer, not estimated from characters
+    # The fewest tokens a character estimate may stand for, for deciding what fits a
+    # context: at the calibrated ratio or the prior, whichever is more characters per
+    # token. One ratio per model is an average over its traffic, and a prompt in another
+    # language (or script) than most is off by ~3x: never refused for that.
+    floor: int | None = None
+
+    @property
+    def fewest(self) -> int:
+        return self.tokens if self.floor is None else self.floor
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,13 +100,21 @@ class CharsPerToken:
         return 0 if state is None else state.observations
 
     def estimate(self, model: str, shape: PromptShape) -> int:
-        text = shape.chars / self.chars_per_token(model)
+        return self._at(self.chars_per_token(model), shape)
+
+    def floor(self, model: str, shape: PromptShape) -> int:
+        """The estimate at the calibrated ratio or the prior, whichever counts fewer."""
+        return self._at(max(self.chars_per_token(model), self.prior), shape)
+
+    def _at(self, chars_per_token: float, shape: PromptShape) -> int:
+        text = shape.chars / chars_per_token
         return round(text) + self.template.overhead(shape) + shape.token_ids
 
     def observe(self, model: str, shape: PromptShape, prompt_tokens: int) -> bool:
         """Digest one request's exact prompt tokens; False when it says nothing."""
         text_tokens = prompt_tokens - self.template.overhead(shape) - shape.token_ids
-        if text_tokens < MIN_CALIBRATION_TOKENS or shape.chars <= 0:
+        # An image's or audio's tokens would count as the text's, ratio down to the floor.
+        if text_tokens < MIN_CALIBRATION_TOKENS or shape.chars <= 0 or shape.media:
             return False
         state = self._models.setdefault(model, _Calibration())
         state.observations += 1

@@ -20,6 +20,10 @@ class PromptShape:
     texts: tuple[str, ...]  # the text to tokenize: message contents, tools, prompts
     messages: int  # chat messages (each adds template overhead); 0 for completions
     token_ids: int  # prompt tokens given as ids, counted exactly
+    # A list of prompts or inputs is a batch of sequences, each with its own context: the
+    # longest one's share of the whole (by characters, or by ids when they are ids).
+    longest_share: float = 1.0
+    media: bool = False  # images or audio: tokens the text does not show
 
     @property
     def chars(self) -> int:
@@ -39,18 +43,31 @@ def _content_texts(content: Any) -> list[str]:
     return []
 
 
+def _has_media(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(p, Mapping) and p.get("type", "text") != "text" for p in content
+    )
+
+
+def _longest_share(sizes: list[int]) -> float:
+    total = sum(sizes)
+    return max(sizes) / total if total else 1.0
+
+
 def shape_of(payload: Mapping[str, Any]) -> PromptShape:
     messages = payload.get("messages")
     if isinstance(messages, list):
         texts: list[str] = []
+        media = False
         for message in messages:
             if isinstance(message, Mapping):
                 texts += _content_texts(message.get("content"))
+                media = media or _has_media(message.get("content"))
                 if message.get("tool_calls"):
                     texts.append(json.dumps(message["tool_calls"], ensure_ascii=False))
         if payload.get("tools"):
             texts.append(json.dumps(payload["tools"], ensure_ascii=False))
-        return PromptShape(tuple(texts), max(1, len(messages)), 0)
+        return PromptShape(tuple(texts), max(1, len(messages)), 0, media=media)
     prompt = payload.get("prompt", payload.get("input"))
     if isinstance(prompt, str):
         return PromptShape((prompt,), 0, 0)
@@ -58,8 +75,15 @@ def shape_of(payload: Mapping[str, Any]) -> PromptShape:
         if prompt and all(isinstance(p, int) for p in prompt):
             return PromptShape((), 0, len(prompt))  # one prompt of token ids
         texts = [p for p in prompt if isinstance(p, str)]
-        ids = sum(len(p) for p in prompt if isinstance(p, list))
-        return PromptShape(tuple(texts), 0, ids)
+        id_lists = [p for p in prompt if isinstance(p, list)]
+        ids = sum(map(len, id_lists))
+        # Strings or id lists, each its own sequence; mixed, the whole is taken as one.
+        share = 1.0
+        if texts and not id_lists:
+            share = _longest_share([len(t) for t in texts])
+        elif id_lists and not texts:
+            share = _longest_share([len(i) for i in id_lists])
+        return PromptShape(tuple(texts), 0, ids, longest_share=share)
     return PromptShape((), 0, 0)
 
 

@@ -119,12 +119,15 @@ def test_usage_is_asked_for_without_touching_the_rest_of_the_body() -> None:
     assert json.loads(sent) == {**payload, "stream_options": {"include_usage": True}}
 
 
-def test_clients_other_stream_options_are_kept() -> None:
-    payload = {"model": "m", "prompt": "x", "stream_options": {"continuous_usage_stats": True}}
+def test_clients_other_stream_options_are_kept_but_continuous_usage_stays_off() -> None:
+    # vLLM honours continuous_usage_stats only with include_usage: forwarded as is beside
+    # the gateway's include_usage, it would put usage on every chunk the client gets.
+    options = {"continuous_usage_stats": True, "x_engine_option": 1}
+    payload = {"model": "m", "prompt": "x", "stream_options": options}
     strip, sent = prepared(payload, endpoint="/v1/completions")
     assert strip is True
-    options = json.loads(sent)["stream_options"]
-    assert options == {"continuous_usage_stats": True, "include_usage": True}
+    forwarded = json.loads(sent)["stream_options"]
+    assert forwarded == {**options, "continuous_usage_stats": False, "include_usage": True}
 
 
 @pytest.mark.parametrize("options", [None, "not-an-object"])

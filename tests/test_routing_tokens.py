@@ -285,3 +285,58 @@ def test_token_limit_sources_in_order() -> None:
     assert token_limit_of(replica(), default) == 7_000
     off = RoutingConfig(token_budget={"enabled": False})
     assert token_limit_of(replica(max_tokens_in_flight=5_000), off) is None
+
+
+# --- what fits a context: a floor at the prior, and shapes that say what they hold ---
+
+CJK = chat("日本語のテキスト" * 1000)  # 8,000 characters, 24,000 bytes: 6,007 tokens
+ENGLISH = chat("word " * 4000)  # 20,000 characters: 5,007 tokens
+
+
+def test_floor_counts_at_the_prior_after_a_dense_script_calibrated_the_ratio_down() -> None:
+    """One CJK prompt calibrates the model to 1.33 characters a token; an English prompt
+    then estimates three times its tokens, but its floor (what a context must hold at
+    least) counts at the prior: the English prompt's true count."""
+    estimator = CharsPerToken(prior=4.0, template=ChatTemplate(4, 3))
+    assert estimator.observe(MODEL, shape_of(CJK), count_chat_tokens(CJK["messages"]))
+    assert estimator.chars_per_token(MODEL) == pytest.approx(4 / 3, rel=0.01)
+    shape = shape_of(ENGLISH)
+    assert estimator.floor(MODEL, shape) == count_chat_tokens(ENGLISH["messages"])
+    assert estimator.estimate(MODEL, shape) == pytest.approx(20_000 * 3 / 4 + 7, rel=0.01)
+
+
+def test_floor_counts_at_the_calibrated_ratio_when_it_is_sparser_than_the_prior() -> None:
+    estimator = CharsPerToken(prior=4.0, template=ChatTemplate(4, 3))
+    sparse = chat("x" * 8000)
+    assert estimator.observe(MODEL, shape_of(sparse), 1000 + 7)  # 8 characters a token
+    shape = shape_of(ENGLISH)
+    assert estimator.floor(MODEL, shape) == estimator.estimate(MODEL, shape) == 2500 + 7
+
+
+def test_a_prompt_with_an_image_does_not_calibrate() -> None:
+    """Its usage counts the image's tokens, which its characters do not show: as text,
+    they would drag the ratio down for every later prompt."""
+    parts = [{"type": "text", "text": "word " * 400}, {"type": "image_url", "image_url": {}}]
+    shape = shape_of({"messages": [{"role": "user", "content": parts}]})
+    assert shape.media
+    estimator = CharsPerToken(prior=4.0)
+    assert not estimator.observe(MODEL, shape, 1200)
+    assert estimator.chars_per_token(MODEL) == 4.0
+    assert estimator.observations(MODEL) == 0
+
+
+def test_shapes_give_the_longest_sequences_share_of_a_batch() -> None:
+    assert shape_of({"input": ["ab", "abcdef"]}).longest_share == 0.75
+    ids = shape_of({"prompt": [[1, 2, 3], [4]]})
+    assert (ids.token_ids, ids.longest_share) == (4, 0.75)
+    assert shape_of({"prompt": "abcdef"}).longest_share == 1.0
+    assert shape_of({"prompt": [1, 2, 3]}).longest_share == 1.0  # one prompt of ids
+    assert shape_of(chat("abcdef")).longest_share == 1.0
+
+
+def test_only_content_parts_other_than_text_are_media() -> None:
+    text_parts = [{"type": "text", "text": "abcd"}]
+    assert not shape_of({"messages": [{"role": "user", "content": text_parts}]}).media
+    assert not shape_of(chat("abcd")).media
+    image = [*text_parts, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    assert shape_of({"messages": [{"role": "user", "content": image}]}).media
