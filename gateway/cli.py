@@ -70,6 +70,23 @@ def _print_banner(settings: Settings, host: str, port: int, sims: Sequence[objec
     )
 
 
+def _port(text: str) -> int:
+    port = int(text) if text.isdigit() else -1
+    if not 0 <= port <= 65535:  # the kernel would take it modulo 65536 and listen elsewhere
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return port
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
 def _sim(args: argparse.Namespace) -> int:
     from backends.sim.arrival import HTTP_PROTOCOL
     from backends.sim.factory import make_engine
@@ -86,15 +103,19 @@ def _sim(args: argparse.Namespace) -> int:
 
         print(calibration_table())
         return 0
-    engine = make_engine(
-        model=args.model,
-        profile=args.profile,
-        ttft_ms=args.ttft_ms,
-        itl_ms=args.itl_ms,
-        speed=args.speed,
-        seed=args.seed,
-        flavor=args.engine,
-    )
+    try:
+        engine = make_engine(
+            model=args.model,
+            profile=args.profile,
+            ttft_ms=args.ttft_ms,
+            itl_ms=args.itl_ms,
+            speed=args.speed,
+            seed=args.seed,
+            flavor=args.engine,
+        )
+    except (KeyError, ValueError) as exc:  # an unknown profile, a profile's bad knob
+        print(f"kneecap sim: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
     what = args.profile or f"fixed ttft={args.ttft_ms}ms itl={args.itl_ms}ms"
     print(
         f"kneecap sim: {args.model} ({what}, speed {args.speed}x) on http://{args.host}:{args.port}",
@@ -149,18 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", help="YAML config file (default: $KNEECAP_CONFIG, else embedded)"
     )
     serve.add_argument("--host", help="listen address (overrides config)")
-    serve.add_argument("--port", type=int, help="listen port (overrides config)")
+    serve.add_argument("--port", type=_port, help="listen port (overrides config)")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
     sim = sub.add_parser("sim", help="run a simulated vLLM/SGLang backend")
     sim.add_argument("--host", default="127.0.0.1")
-    sim.add_argument("--port", type=int, default=8100)
+    sim.add_argument("--port", type=_port, default=8100)
     sim.add_argument("--model", default=DEFAULT_MODEL)
     sim.add_argument("--profile", help="calibrated engine profile, e.g. qwen3-4b/l40s/bf16/vllm")
     sim.add_argument("--ttft-ms", type=float, default=50.0, help="fixed TTFT when no profile")
     sim.add_argument("--itl-ms", type=float, default=15.0, help="fixed ITL when no profile")
-    sim.add_argument("--speed", type=float, default=1.0, help="run K times faster than real time")
+    sim.add_argument(
+        "--speed", type=_positive, default=1.0, help="run K times faster than real time"
+    )
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="metric names")
     sim.add_argument("--list-profiles", action="store_true")

@@ -109,6 +109,7 @@ async def serve_with_sims(
     Signals are handled here rather than by uvicorn, which re-raises them once
     the first server has stopped and would cut the others off mid-shutdown.
     """
+    failed: SystemExit | None = None
     async with anyio.create_task_group() as backends:
         for sim in sims:
             backends.start_soon(sim.server._serve)
@@ -117,10 +118,15 @@ async def serve_with_sims(
             await anyio.sleep(0.01)
         async with anyio.create_task_group() as front:
             front.start_soon(_stop_on_signal, gateway, drain or Drain(0.0))
-            await gateway._serve()
+            try:
+                await gateway._serve()
+            except SystemExit as exc:  # uvicorn could not start (it logged why: a port taken)
+                failed = exc
             front.cancel_scope.cancel()
         for sim in sims:
             sim.server.should_exit = True
+    if failed is not None:
+        raise failed  # once the sims have stopped in order: the exit code, no traceback
 
 
 async def _stop_on_signal(gateway: uvicorn.Server, drain: Drain) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
 
 from policies.knee import KneeLimitConfig
 from policies.registry import LimitConfig
@@ -327,6 +328,11 @@ def build_settings(data: dict[str, Any]) -> Settings:
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from exc
+    except SettingsError as exc:  # an environment override that is no JSON where JSON is due
+        cause = f": {exc.__cause__}" if exc.__cause__ else ""
+        raise ConfigError(
+            f"{exc}{cause} (lists and mappings from the environment are JSON)"
+        ) from exc
 
 
 def load_settings(path: str | Path | None) -> Settings:

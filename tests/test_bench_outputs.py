@@ -168,3 +168,30 @@ def test_progress_line_is_rewritten_live_and_summarised_per_point() -> None:
     assert text.count("\r") == 4 and text.endswith("\n")
     assert "[1/3] A · 1024-token prompts · c=2 · 1/4 requests · p95 TTFT 200 ms · 50 tok/s" in text
     assert "SLO ok" in text.splitlines()[-1]
+
+
+def test_no_policy_from_a_sweep_whose_target_fails_requests() -> None:
+    # A target that went down mid-sweep answered thousands of errors a second; without an
+    # SLO the marginal knee still placed a limit, and the policy was written, exit 0.
+    plan = SweepPlan("concurrency", tuple(float(c) for c in CURVE))
+    points = []
+    for c, (tps, ttft) in CURVE.items():
+        records = [RequestRecord(1024, 8, ttft=ttft, e2e=ttft + 0.07, itls=[0.01] * 7)] * 20
+        if c == 16:
+            records += [RequestRecord(1024, 0, error="connection refused")] * 5
+        points.append(
+            summarize(
+                records,
+                workload="1024",
+                load_kind="concurrency",
+                load=c,
+                window_s=10,
+                window_output_tokens=tps * 10,
+            )
+        )
+    series = Series(
+        "A", "1024", "concurrency", tuple(points), find_knee(curve_of(points, None), "concurrency")
+    )
+    assert series.knee.load is not None and series.knee.load >= 16
+    with pytest.raises(PolicyError, match="5 of 25 requests failed at load 16"):
+        policy_fragment(SweepResult(plan, (series,)), "A")

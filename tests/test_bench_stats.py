@@ -137,3 +137,20 @@ def test_point_with_only_errors_fails_the_slo_and_has_no_latency() -> None:
         slo=parse_slo("ttft_p95_ms=1"),
     )
     assert s.slo_ok is False and s.ttft is None and s.requests == 0
+
+
+def test_a_point_with_failed_requests_fails_the_slo_however_fast_the_rest() -> None:
+    # Half the requests answered 400: the SLO read "ok" on the fast half, and a knee and a
+    # policy came out of a target that was failing.
+    fast = [_ok(0.1, [0.01] * 3) for _ in range(20)]
+    s = summarize(
+        fast + [RequestRecord(10, 0, error="400 bad request")] * 20,
+        workload="w",
+        load_kind="rate",
+        load=1,
+        window_s=10,
+        window_output_tokens=80,
+        slo=parse_slo("ttft_p95_ms=500"),
+    )
+    assert s.errors == 20
+    assert s.slo_ok is False

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +93,64 @@ def test_serve_runs_the_embedded_default_and_stops_on_ctrl_c(tmp_path: Path) -> 
     output = proc.output()
     assert 'OpenAI(base_url="http://127.0.0.1:' in output
     assert "Traceback" not in output
+
+
+def test_ctrl_c_stops_a_simulated_bench_sweep_at_once() -> None:
+    # A simulated point never awaited: SIGINT (a cancellation under anyio) waited for the
+    # whole sweep, ~a minute for this one.
+    command = [sys.executable, "-m", "gateway.cli", "bench", "--sim", "qwen3-4b/l40s/bf16/vllm"]
+    sweep_args = ["--concurrency", "32,64,96,128", "--requests", "6000", "--output-tokens", "2816"]
+    sweep = subprocess.Popen(
+        [*command, *sweep_args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        assert sweep.stdout is not None
+        assert sweep.stdout.read(1)  # the sweep has started talking: it is under way
+        sweep.send_signal(signal.SIGINT)
+        assert sweep.wait(timeout=15) == 130
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("serve", "--port", "99999"), "is not a port"),  # listened on 99999 - 65536
+        (("sim", "--port", "70000"), "is not a port"),
+        (("sim", "--speed", "0"), "is not a positive number"),  # ZeroDivisionError
+        (("sim", "--profile", "no/such/profile"), "unknown simulator profile"),  # KeyError
+    ],
+)
+def test_bad_command_line_values_are_one_line_not_a_traceback(args: tuple, said: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert said in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_environment_override_that_is_no_json_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text("backends: []\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KNEECAP_AUTH__API_KEYS": "sk-a,sk-b"},  # JSON is due: ["sk-a"]
+    )
+    assert result.returncode == 1
+    assert "auth" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_on_a_port_in_use_exits_without_a_traceback() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("serve", "--port", str(port))
+    assert result.returncode != 0
+    assert "address already in use" in result.stderr
+    assert "Traceback" not in result.stderr

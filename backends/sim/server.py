@@ -98,11 +98,18 @@ class _Completions:
             # A message that is no object, a lone surrogate: vLLM answers these 400 too.
             param = "messages" if chat else "prompt"
             return _error(f"{param}: invalid: {type(exc).__name__}", 400, param=param)
-        max_tokens = (
-            payload.get("max_tokens") or payload.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
-        )
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        # vLLM's order: max_completion_tokens wins; 0 is a bad request, not "the default".
+        max_tokens = payload.get("max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = payload.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             return _error("max_tokens must be a positive integer", 400, param="max_tokens")
+        if payload.get("n") not in (None, 1):
+            # One sequence per request is all the cost model knows: say so, never answer
+            # with one choice where n were asked.
+            return _error("n > 1 is not supported by the simulator", 400, param="n")
         max_model_len = self._engine.max_model_len
         if prompt_tokens + max_tokens > max_model_len:
             requested = prompt_tokens + max_tokens

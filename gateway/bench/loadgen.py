@@ -25,6 +25,7 @@ from gateway.bench.target import Progress
 from gateway.bench.workload import RequestSpec, Workload
 
 PROBE_PROMPT_TOKENS = 16
+ERROR_PAUSE_S = 0.05  # a client's pause after a failed request
 # A staggered client start is polled for over its last wall seconds (timers are coarser).
 START_POLL_S = 0.002
 
@@ -147,6 +148,10 @@ class HttpTarget:
             progress.tick(phase, now)
             if phase.done:
                 done.set()
+            elif record.error is not None:
+                # A closed-loop client would resend at once: against a dead target, tens of
+                # thousands of errors a second. A real client backs off too.
+                await anyio.sleep(ERROR_PAUSE_S)
 
         async def worker(start: float) -> None:
             await self._until(start)

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from gateway.bench.stats import PointSummary
+from gateway.bench.stats import MAX_ERROR_FRACTION, PointSummary
 from gateway.bench.sweep import SweepResult
 
 PLATEAU = 0.97
@@ -32,6 +32,10 @@ def _in_flight(p: PointSummary) -> int:
     return max(1, math.ceil(p.request_s * mean_e2e))
 
 
+def _failing(p: PointSummary) -> bool:
+    return p.errors > MAX_ERROR_FRACTION * (p.requests + p.errors)
+
+
 def policy_fragment(result: SweepResult, target: str) -> dict[str, Any]:
     series = result.of_target(target)
     knee = result.recommended(target)
@@ -41,6 +45,13 @@ def policy_fragment(result: SweepResult, target: str) -> dict[str, Any]:
         )
         raise PolicyError(f"no knee to start from: {reasons}")
     points = [p for s in series for p in s.points]
+    failing = [p for p in points if p.load <= knee and _failing(p)]
+    if failing:
+        worst = max(failing, key=lambda p: p.errors)
+        raise PolicyError(
+            f"{worst.errors} of {worst.requests + worst.errors} requests failed at load "
+            f"{worst.load:g} ({', '.join(worst.error_samples)}): no limit from a failing target"
+        )
     initial = min(_in_flight(p) for p in points if p.load == knee)
     best = max(p.output_tok_s for p in points)
     plateau = [p for p in points if p.output_tok_s >= PLATEAU * best]

@@ -107,6 +107,10 @@ class PointSummary:
         return {"ttft": self.ttft, "itl": self.itl, "tpot": self.tpot, "e2e": self.e2e}[metric]
 
 
+# Failed requests a point may have and still count as meeting its SLO (or be a knee).
+MAX_ERROR_FRACTION = 0.01
+
+
 def request_meets(slo: Slo, record: RequestRecord) -> bool:
     """Whether one request alone satisfies every SLO term (for goodput)."""
     if not record.ok:
@@ -162,8 +166,11 @@ def summarize(
         for term in slo.terms:
             lat = latencies[term.metric]
             slo_values[term.name] = lat.at(term.percentile) if lat else None
-        slo_ok = bool(ok) and all(
-            (v := slo_values[t.name]) is None or v <= t.limit_s for t in slo.terms
+        # A point whose requests fail meets no latency target, however fast the rest were.
+        slo_ok = (
+            bool(ok)
+            and len(failed) <= MAX_ERROR_FRACTION * len(records)
+            and all((v := slo_values[t.name]) is None or v <= t.limit_s for t in slo.terms)
         )
         good = [r for r in ok if request_meets(slo, r)]
         goodput_req_s = len(good) / window

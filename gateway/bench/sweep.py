@@ -96,6 +96,8 @@ def curve_of(points: Sequence[PointSummary], slo: Slo | None) -> list[CurvePoint
                 for t in slo.terms
                 if (v := p.slo_values.get(t.name)) is not None and v > t.limit_s
             ]
+            if p.errors:
+                worst.append(f"{p.errors} of {p.requests + p.errors} requests failed")
             detail = "; ".join(worst) or "no successful requests"
         curve.append(CurvePoint(p.load, p.output_tok_s, p.slo_ok, detail))
     return curve
