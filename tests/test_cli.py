@@ -123,6 +123,7 @@ def test_ctrl_c_stops_a_simulated_bench_sweep_at_once() -> None:
         (("sim", "--port", "70000"), "is not a port"),
         (("sim", "--speed", "0"), "is not a positive number"),  # ZeroDivisionError
         (("sim", "--profile", "no/such/profile"), "unknown simulator profile"),  # KeyError
+        (("bench", "--sim", "qwen3-4b/l40s/bf16/vllm", "--concurrency", ""), "at least one"),
     ],
 )
 def test_bad_command_line_values_are_one_line_not_a_traceback(args: tuple, said: str) -> None:

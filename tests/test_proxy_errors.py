@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import MODEL, Gateway, backend, free_port, start_gateway
+from tests.procs import MODEL, Gateway, Proc, backend, free_port, start_gateway
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -167,3 +167,12 @@ def test_the_simulator_reads_output_bounds_as_vllm_does_and_refuses_n(gateway: G
     assert zero.status_code == 400 and error_of(zero)["param"] == "max_tokens"
     several = post(gateway, "/v1/chat/completions", json={**chat, "n": 2, "max_tokens": 2})
     assert several.status_code == 400 and error_of(several)["param"] == "n"
+
+
+def test_the_simulators_tokenize_takes_the_served_model_when_none_is_named(
+    sims: list[Proc],
+) -> None:
+    # vLLM makes `model` optional on /tokenize; the simulator answered 404 "`None`".
+    response = httpx.post(sims[0].url + "/tokenize", json={"prompt": "abcdefgh"}, timeout=10)
+    assert response.status_code == 200
+    assert response.json()["count"] == 2  # 4 UTF-8 bytes a token

@@ -8,7 +8,9 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from backends.scrape import parse_kv_capacity
 from backends.sim.base import GenerationRequest, TokenEvent
+from backends.sim.factory import make_engine
 from backends.sim.profiles import get_profile
 from backends.sim.realtime import RealtimeEngine, TokenStream, build_engine
 from backends.sim.virtual import VirtualEngine
@@ -160,9 +162,19 @@ async def test_sglang_metric_names() -> None:
         "sglang:time_to_first_token_seconds",
         "sglang:inter_token_latency_seconds",
         "sglang:e2e_request_latency_seconds",
+        "sglang:max_total_num_tokens",
         "kneecap_sim_cancelled_requests",
     }
     assert 'model_name="Qwen/Qwen3-4B-AWQ"' in text
+
+
+@pytest.mark.parametrize("profile", [VLLM, "qwen3-4b/l40s/awq/sglang"])
+async def test_the_kv_cache_size_is_stated_as_the_engine_states_it(profile: str) -> None:
+    # A gateway in front of an external simulator read no capacity from its /metrics
+    # (vLLM's cache_config_info, SGLang's max_total_num_tokens), so its token budget was off.
+    engine = RealtimeEngine(get_profile(profile), speed=50.0)
+    text = engine.render_metrics().decode()
+    assert parse_kv_capacity(text) == get_profile(profile).kv_tokens
 
 
 async def test_hundreds_of_sequences_at_real_speed_do_not_hog_a_cpu() -> None:
@@ -189,3 +201,15 @@ async def test_hundreds_of_sequences_at_real_speed_do_not_hog_a_cpu() -> None:
         await engine.aclose()
     assert engine.stats().kv_usage == 0.0
     assert cpu < 0.5 * wall
+
+
+async def test_a_fixed_latency_engine_reports_engine_seconds_at_any_speed() -> None:
+    # At --speed 10 its histograms read wall seconds: a tenth of the configured TTFT.
+    engine = make_engine(model="m", ttft_ms=100, itl_ms=20, speed=10)
+    request = GenerationRequest(request_id="r", prompt_tokens=4, max_tokens=3, seed=1)
+    async for _ in engine.generate(request):
+        pass
+    families = text_string_to_metric_families(engine.render_metrics().decode())
+    ttft = next(f for f in families if f.name == "vllm:time_to_first_token_seconds")
+    (total,) = [s.value for s in ttft.samples if s.name.endswith("_sum")]
+    assert total >= 0.099  # 100 ms of engine time, whatever the wall clock added

@@ -119,8 +119,14 @@ def _num(value: float) -> str:
 
 
 def render_metrics(
-    flavor: EngineFlavor, model_name: str, stats: EngineStats, timings: EngineTimings
+    flavor: EngineFlavor,
+    model_name: str,
+    stats: EngineStats,
+    timings: EngineTimings,
+    kv_blocks: tuple[int, int] | None = None,
 ) -> bytes:
+    """``kv_blocks``: the KV cache as (blocks, tokens per block), as the engine states it:
+    vLLM in ``cache_config_info``'s labels, SGLang as ``max_total_num_tokens``."""
     names = FLAVORS[flavor]
     label = f'model_name="{_escape(model_name)}"'
     out: list[str] = []
@@ -128,6 +134,16 @@ def render_metrics(
     def sample(name: str, kind: str, value: float) -> None:
         out.append(f"# TYPE {name} {kind}")
         out.append(f"{name}{{{label}}} {_num(value)}")
+
+    if kv_blocks is not None:
+        blocks, block_size = kv_blocks
+        if flavor == "sglang":
+            sample("sglang:max_total_num_tokens", "gauge", blocks * block_size)
+        else:
+            out.append("# TYPE vllm:cache_config_info gauge")
+            out.append(
+                f'vllm:cache_config_info{{block_size="{block_size}",num_gpu_blocks="{blocks}"}} 1.0'
+            )
 
     sample(names.running, "gauge", stats.running)
     sample(names.waiting, "gauge", stats.waiting)

@@ -21,5 +21,9 @@ def make_engine(
 
         return build_engine(profile, speed=speed, seed=seed, model=model)
     return FixedLatencyEngine(
-        ttft_s=ttft_ms / 1000 / speed, itl_s=itl_ms / 1000 / speed, flavor=flavor, model=model
+        ttft_s=ttft_ms / 1000 / speed,
+        itl_s=itl_ms / 1000 / speed,
+        flavor=flavor,
+        model=model,
+        speed=speed,
     )

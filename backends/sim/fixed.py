@@ -32,10 +32,19 @@ class FixedLatencyEngine:
     max_model_len = MAX_MODEL_LEN
 
     def __init__(
-        self, *, ttft_s: float, itl_s: float, flavor: EngineFlavor = "vllm", model: str = "sim"
+        self,
+        *,
+        ttft_s: float,
+        itl_s: float,
+        flavor: EngineFlavor = "vllm",
+        model: str = "sim",
+        speed: float = 1.0,
     ) -> None:
-        self.ttft_s = ttft_s
+        self.ttft_s = ttft_s  # wall time, the speed-up applied
         self.itl_s = itl_s
+        # The latency histograms are in engine seconds, as a profile engine's are: wall
+        # times the speed-up (at --speed 10 they read a tenth of the configured figures).
+        self.speed = speed
         self.flavor = flavor
         self.model = model
         self._counters = _Counters()
@@ -64,12 +73,12 @@ class FixedLatencyEngine:
                     await anyio.sleep(self.itl_s)
                 now = time.monotonic()
                 (self._timings.itl if index else self._timings.ttft).observe(
-                    now - (last if index else arrival)
+                    (now - (last if index else arrival)) * self.speed
                 )
                 last = now
                 counters.generation_tokens_total += 1
                 yield TokenEvent(index, "length" if index == final else None)
-            self._timings.e2e.observe(time.monotonic() - arrival)
+            self._timings.e2e.observe((time.monotonic() - arrival) * self.speed)
             finished = True
         finally:
             counters.running -= 1

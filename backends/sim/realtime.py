@@ -280,7 +280,11 @@ class RealtimeEngine:
         return dataclasses.replace(self._core.stats(), cancelled_total=self._cancelled)
 
     def render_metrics(self) -> bytes:
-        return render_metrics(self.flavor, self.model_name, self.stats(), self._timings)
+        block_size = self.profile.engine.block_size
+        kv_blocks = (self.profile.kv_tokens // block_size, block_size)
+        return render_metrics(
+            self.flavor, self.model_name, self.stats(), self._timings, kv_blocks=kv_blocks
+        )
 
     async def start(self) -> None:
         if self._task is None:

@@ -291,10 +291,19 @@ def create_sim_app(engine: AsyncEngine, model: str) -> ASGIApp:
         return Response(wire.dumps(body), media_type="application/json")
 
     async def tokenize(request: Request) -> Response:
-        payload = await parse(request)
+        body = await request.body()
+        try:  # `model` is optional here in vLLM: the served one
+            if isinstance(loaded := json.loads(body), dict) and "model" not in loaded:
+                body = json.dumps({**loaded, "model": model}).encode()
+        except ValueError:
+            pass  # _payload answers it
+        payload = _payload(body, model)
         if isinstance(payload, Response):
             return payload
-        count = _prompt_tokens(payload)
+        try:
+            count = _prompt_tokens(payload)
+        except (AttributeError, TypeError, UnicodeEncodeError) as exc:
+            return _error(f"prompt: invalid: {type(exc).__name__}", 400)
         return JSONResponse(
             {"count": count, "max_model_len": max_model_len, "tokens": list(range(count))}
         )

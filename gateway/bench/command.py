@@ -164,8 +164,11 @@ def _loads(text: str, kind: str) -> tuple[float, ...]:
 
 
 def _plan(args: argparse.Namespace) -> tuple[SweepPlan, list[Workload]]:
-    kind: LoadKind = "rate" if args.rate else "concurrency"
-    loads = _loads(args.rate or args.concurrency or DEFAULT_CONCURRENCY, kind)
+    kind: LoadKind = "rate" if args.rate is not None else "concurrency"
+    given = args.rate if args.rate is not None else args.concurrency
+    if given is not None and not given.strip():  # an empty list is a mistake, not the default
+        raise OptionError(f"--{kind} needs at least one value")
+    loads = _loads(given or DEFAULT_CONCURRENCY, kind)
     for name in ("requests", "duration", "output_tokens", "timeout", "speed"):
         value = getattr(args, name)
         if value is not None and value <= 0:
