@@ -53,6 +53,14 @@ def connection_options(value: str | bytes | None) -> frozenset[bytes]:
     return frozenset(name.strip().lower() for name in value.split(b",")) - {b""}
 
 
+def is_event_stream(raw_headers: list[tuple[bytes, bytes]]) -> bool:
+    """SSE by its content type; a backend that names none is taken at its word for SSE."""
+    for name, value in raw_headers:
+        if name.lower() == b"content-type":
+            return value.lstrip().lower().startswith(b"text/event-stream")
+    return True
+
+
 def response_headers(
     upstream: UpstreamResponse, extra: dict[str, str]
 ) -> list[tuple[bytes, bytes]]:
@@ -106,6 +114,9 @@ class StreamRelay:
         self.meter = meter
         self.headers = headers
         self.finish = finish
+        # An answer that says it is no SSE (NDJSON, text) has no events to time or strip,
+        # and holding bytes back until a blank line would stop it streaming at all.
+        self.events = is_event_stream(upstream.raw_headers)
         # Set once the upstream body is over, before the last send: the client may
         # hang up the moment it has the last byte, and that is not a disconnect.
         self._end: StreamEnd | None = None
@@ -155,6 +166,9 @@ class StreamRelay:
         framer = SSEFramer()
         try:
             async for chunk in self.upstream.aiter_raw():
+                if not self.events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    continue
                 # Only whole events go out: a dropped one never leaks partially, and an
                 # error event never lands inside a half-sent one. The bytes are the
                 # backend's; a read of whole events, nothing dropped, goes out as it came.

@@ -213,6 +213,23 @@ def test_a_body_that_is_no_sse_is_relayed_byte_for_byte(gw: Gateway) -> None:
     assert record["status"] == "ok"
 
 
+def test_an_answer_that_is_no_sse_streams_as_it_comes(gw: Gateway, raw: Proc) -> None:
+    """NDJSON (or any stream that says it is no SSE) has no blank lines: held back as an
+    unfinished event, nothing reached the client before the backend ended its body."""
+    head = "HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+    first, second = b'{"line": 1}\n', b'{"line": 2}\n'
+    script = [
+        ["send", head + "transfer-encoding: chunked\r\n\r\n"],
+        *chunks(first),
+        ["await_poke"],  # until the client has the first line: streamed, not held
+        *chunks(second),
+        ["send", LAST_CHUNK],
+    ]
+    data, record = relayed(gw, script, poke=(raw, b'"line": 1'))
+    assert data == first + second
+    assert record["status"] == "ok"
+
+
 # --- a close-delimited body cut by a reset ----------------------------------------
 
 
