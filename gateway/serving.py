@@ -125,6 +125,9 @@ async def serve_with_sims(
             front.cancel_scope.cancel()
         for sim in sims:
             sim.server.should_exit = True
+            # A second Ctrl-C stops at once: the sims too, not after their own 10 s grace
+            # for the streams the gateway just cut.
+            sim.server.force_exit = gateway.force_exit
     if failed is not None:
         raise failed  # once the sims have stopped in order: the exit code, no traceback
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,7 @@ import openai
 import pytest
 
 from gateway.settings import ConfigError, load_settings
-from tests.procs import MODEL, free_port, start_process
+from tests.procs import MODEL, free_port, start_process, wait_until
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -93,6 +94,39 @@ def test_serve_runs_the_embedded_default_and_stops_on_ctrl_c(tmp_path: Path) -> 
     output = proc.output()
     assert 'OpenAI(base_url="http://127.0.0.1:' in output
     assert "Traceback" not in output
+
+
+def test_a_second_ctrl_c_stops_the_embedded_default_at_once(tmp_path: Path) -> None:
+    # The gateway stopped at once, then its embedded sims gave the stream it had just cut
+    # uvicorn's 10 s grace before exiting.
+    port = free_port()
+    proc = start_process(
+        ["serve", "--port", str(port)], f"http://127.0.0.1:{port}", "/ready", tmp_path / "s.log"
+    )
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    body |= {"max_tokens": 3000, "ignore_eos": True}  # ~45 s at the embedded sims' pace
+    received: list[int] = []
+
+    def read_the_stream() -> None:  # a client reading on, as the SDK would
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        try:
+            with httpx.stream("POST", url, json=body, timeout=30) as stream:
+                for chunk in stream.iter_bytes():
+                    received.append(len(chunk))
+        except httpx.HTTPError:
+            pass  # cut: that is what the second Ctrl-C asks for
+
+    reader = threading.Thread(target=read_the_stream)
+    reader.start()
+    try:
+        wait_until(lambda: received)
+        proc.process.send_signal(signal.SIGINT)
+        wait_until(lambda: "draining" in proc.output())
+        proc.process.send_signal(signal.SIGINT)
+        proc.process.wait(timeout=5)
+    finally:
+        proc.stop()
+        reader.join(30)
 
 
 def test_ctrl_c_stops_a_simulated_bench_sweep_at_once() -> None:
