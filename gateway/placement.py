@@ -25,6 +25,7 @@ from backends.replica import Replica
 from gateway.errors import ContextLengthExceeded, ModelNotFound, Unavailable
 from gateway.routing import load_of, session_of
 from gateway.runtime import Runtime
+from gateway.settings import Settings
 from gateway.tokens import Estimate, tokenize_on_backend
 from policies.admission import NoHealthyBackend
 from policies.long_context import (
@@ -134,10 +135,11 @@ async def plan_route(
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
     # Replicas a reload just added are not probed yet; they may well be up.
     healthy = [r for r in serving if r.healthy or not r.probed]
-    if not healthy:
-        runtime.recorder.rejected(serving[0].pool, "no_backend")
-        raise Unavailable(f"no healthy backend serves model `{model}`")
     shape = shape_of(payload)
+    if not healthy:
+        estimate = runtime.routing.estimate_locally(model, shape, routing)
+        runtime.recorder.rejected(_pool_by_length(settings, serving, estimate), "no_backend")
+        raise Unavailable(f"no healthy backend serves model `{model}`")
     estimate = await _estimate(runtime, payload, shape, serving)
     explicit = output_tokens(payload, 0)
     context_tokens = max(1, explicit)
@@ -166,7 +168,7 @@ async def plan_route(
         to_shorter=spill.to_shorter,
     )
     if plan is None:
-        runtime.recorder.rejected(serving[0].pool, "no_backend")
+        runtime.recorder.rejected(_pool_by_length(settings, serving, estimate), "no_backend")
         raise Unavailable(f"no healthy backend of `{model}` has the context for this prompt")
     return Route(
         model=model,
@@ -180,11 +182,34 @@ async def plan_route(
     )
 
 
+def _pool_by_length(settings: Settings, serving: list[Replica], estimate: Estimate) -> str:
+    """The pool a refused request would have gone to, for its rejection's label."""
+    plan = plan_pools(settings.pools, {r.pool for r in serving}, estimate.tokens)
+    return plan.home if plan is not None else serving[0].pool
+
+
 def _prompt_param(payload: Mapping[str, Any]) -> str:
     for field in ("messages", "prompt", "input"):
         if field in payload:
             return field
     return "prompt"
+
+
+def make_could_use(route: Route, tried: set[str]) -> Callable[[Claim[Replica]], bool]:
+    """Whether this request could be served on a claim's replica: admission lets a request
+    go ahead of waiters only onto replicas none of them could use."""
+    pools = frozenset(route.pools)
+
+    def could_use(claim: Claim[Replica]) -> bool:
+        replica = claim.backend
+        return (
+            replica.pool in pools
+            and route.model in replica.models
+            and replica.name not in tried
+            and route.fits(replica)
+        )
+
+    return could_use
 
 
 def make_pick(

@@ -28,7 +28,14 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.meter import StreamMeter, Usage, finish_reason_of
-from gateway.placement import Route, awaiting_probe, candidates, make_pick, plan_route
+from gateway.placement import (
+    Route,
+    awaiting_probe,
+    candidates,
+    make_could_use,
+    make_pick,
+    plan_route,
+)
 from gateway.record import RequestStatus
 from gateway.recording import Flight
 from gateway.relay import (
@@ -284,8 +291,11 @@ async def _admit(
 ) -> Lease[Claim[Replica]]:
     pool = flight.pool
     pick = make_pick(runtime, route, tried)
+    could_use = make_could_use(route, tried)
     try:
-        return await runtime.admission(pool).acquire(pick, priority=priority, deadline=deadline)
+        return await runtime.admission(pool).acquire(
+            pick, priority=priority, deadline=deadline, could_use=could_use
+        )
     except (QueueFull, QueueTimeout) as exc:
         if tried:  # a retry: the request was admitted once, it is no shed
             raise _NoRoomToRetry from exc

@@ -9,7 +9,11 @@ readmitted), its deadline passes, its task is cancelled, or the pool closes.
 
 Capacity is handed over, not raced for: ``notify()`` runs the head waiters'
 ``pick()`` itself and grants the permit before waking the waiter, so a request
-arriving later can never overtake one that waits, and a wake-up is never wasted.
+arriving later can never take a backend from one that waits for it, and a wake-up
+is never wasted. Requests of one pool may want different backends (another model,
+a longer context): one that says which it ``could_use`` may go ahead of waiters
+only onto a backend none of them could use, so it does not wait behind a head
+whose backends are busy while its own are idle.
 Everything here runs on one event loop thread; all mutation is synchronous, so
 there are no await points at which the counts could tear.
 
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
@@ -39,6 +43,10 @@ import anyio
 from policies.priority_queue import Priority as Priority
 from policies.priority_queue import PriorityQueue
 
+# Waiters behind a blocked head whose pick() a dispatch tries: a few, for a pool that
+# mixes models or context lengths; in one that does not, each is a pick() that finds
+# nothing, paid at every release while the queue is not empty.
+_MAX_SCANNED = 4
 _RETRY_AFTER_MIN = 1.0
 # Older openai SDKs honour a Retry-After only up to 60 s; newer ones give up above 120 s.
 _RETRY_AFTER_MAX = 60.0
@@ -132,6 +140,7 @@ class _Waiter(Generic[T]):
     priority: Priority
     deadline: float
     enqueued_at: float
+    could_use: Callable[[T], bool] | None  # None: any backend (nobody may go ahead of it)
     event: anyio.Event = field(default_factory=anyio.Event)
     backend: T | None = None
     granted_at: float = 0.0
@@ -188,10 +197,17 @@ class PoolAdmission(Generic[T]):
         return max(_RETRY_AFTER_MIN, min(_RETRY_AFTER_MAX, estimate))
 
     async def acquire(
-        self, pick: Callable[[], T | None], *, priority: Priority, deadline: float
+        self,
+        pick: Callable[[], T | None],
+        *,
+        priority: Priority,
+        deadline: float,
+        could_use: Callable[[T], bool] | None = None,
     ) -> Lease[T]:
         """A lease on the backend ``pick()`` names, waiting in the queue if need be.
 
+        ``could_use(backend)``: whether this request could be served there; with it, the
+        request goes ahead of waiters onto a backend none of them could use.
         Raises QueueFull, QueueTimeout, ShuttingDown, or whatever ``pick()`` raises
         (NoHealthyBackend). ``pick()`` must not take the permit itself.
         """
@@ -200,9 +216,9 @@ class PoolAdmission(Generic[T]):
         now = self._clock()
         if len(self._queue):
             self._dispatch(now)
-        if not len(self._queue):
+        if not len(self._queue) or could_use is not None:
             backend = pick()
-            if backend is not None:
+            if backend is not None and not self._wanted_by_waiters(backend, self._queue):
                 return self._lease(backend, 0.0)
         if len(self._queue) >= self._max_queue_depth:
             raise QueueFull(
@@ -212,7 +228,7 @@ class PoolAdmission(Generic[T]):
             )
         if deadline <= now:
             raise self._timeout(0.0)
-        waiter = _Waiter(pick, priority, deadline, now)
+        waiter = _Waiter(pick, priority, deadline, now, could_use)
         self._queue.push(waiter, priority)
         self._next_expiry = min(self._next_expiry, deadline)
         try:
@@ -251,12 +267,41 @@ class PoolAdmission(Generic[T]):
                 waiter.event.set()
                 continue
             if backend is None:
-                return  # head of line cannot be served; later waiters must not overtake
+                # The head cannot be served; a later waiter may only go ahead onto what
+                # no waiter before it could use.
+                self._serve_past(waiter, now)
+                return
             self._queue.pop()
-            self._take(backend)
-            waiter.backend = backend
-            waiter.granted_at = now
-            waiter.event.set()
+            self._grant(waiter, backend, now)
+
+    def _serve_past(self, head: _Waiter[T], now: float) -> None:
+        ahead = [head]
+        for waiter in list(self._queue):
+            if len(ahead) > _MAX_SCANNED or head.could_use is None:
+                return
+            if waiter is head:
+                continue
+            if waiter.could_use is None:
+                return  # it may want anything: nobody behind it goes ahead of it
+            try:
+                backend = waiter.pick()
+            except Exception:
+                backend = None  # its refusal is served when it reaches the head
+            if backend is None or self._wanted_by_waiters(backend, ahead):
+                ahead.append(waiter)
+                continue
+            self._queue.remove(waiter, waiter.priority)
+            self._grant(waiter, backend, now)
+
+    @staticmethod
+    def _wanted_by_waiters(backend: T, waiters: Iterable[_Waiter[T]]) -> bool:
+        return any(w.could_use is None or w.could_use(backend) for w in waiters)
+
+    def _grant(self, waiter: _Waiter[T], backend: T, now: float) -> None:
+        self._take(backend)
+        waiter.backend = backend
+        waiter.granted_at = now
+        waiter.event.set()
 
     def _expire(self, now: float) -> None:
         for waiter in self._queue.remove_if(lambda w: w.deadline <= now):

@@ -49,17 +49,28 @@ class GradientLimitConfig(LimitBounds):
 
 
 class GradientLimit:
-    def __init__(self, config: GradientLimitConfig, start: int | None = None) -> None:
+    def __init__(
+        self, config: GradientLimitConfig, start: int | None = None, min_rtt: float | None = None
+    ) -> None:
         self._config = config
         self._limit = config.clamp(config.initial if start is None else start)
-        self.min_rtt: float | None = None
+        # A reload hands over the min_rtt measured: the backend has not changed, and a new
+        # window would pin the limit at min until enough traffic measured it again.
+        self.min_rtt = min_rtt
         self.gradient = 1.0
         self._deferred: int | None = None  # limit to restore after a min_rtt window
         self._window_started: float | None = None  # set on the first sample inside it
         self._next_min_rtt = float("inf")
         self._next_update = float("-inf")
         self._updates_at_min = 0
-        self._enter_min_rtt_window()  # as Envoy: no limit is trusted before min_rtt is known
+        self._carried = min_rtt is not None  # the next re-measure counts from the first sample
+        if not self._carried:
+            self._enter_min_rtt_window()  # as Envoy: no limit is trusted before min_rtt is known
+
+    @property
+    def settled_limit(self) -> int:
+        """The limit outside a min_rtt window (inside one the limit is pinned at min)."""
+        return self._limit if self._deferred is None else self._deferred
 
     @property
     def limit(self) -> int:
@@ -71,6 +82,9 @@ class GradientLimit:
 
     def update(self, sample: Sample) -> int:
         now = sample.now
+        if self._carried:
+            self._carried = False
+            self._next_min_rtt = now + self._config.min_rtt_interval_s
         if self._deferred is None and now >= self._next_min_rtt:
             self._enter_min_rtt_window()
         if self._deferred is not None:

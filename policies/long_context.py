@@ -54,10 +54,16 @@ def plan_pools(
     names = [name for name in pools if name in serving]
     if not names:
         return None
-    # Nearest range first; on a tie (a gap between ranges) the longer pool.
-    home = min(
-        names,
-        key=lambda n: (_distance(pools[n], prompt_tokens), -pools[n].min_prompt_tokens),
+    # A range that holds it, the first in config order (ranges may overlap); else the
+    # nearest range, and in a gap between two equally near ones the longer pool.
+    holding = [n for n in names if _distance(pools[n], prompt_tokens) == 0]
+    home = (
+        holding[0]
+        if holding
+        else min(
+            names,
+            key=lambda n: (_distance(pools[n], prompt_tokens), -pools[n].min_prompt_tokens),
+        )
     )
     floor = pools[home].min_prompt_tokens
     longer = sorted(

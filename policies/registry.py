@@ -53,7 +53,11 @@ def build_controller(config: LimitConfig, *, start: int | None = None) -> LimitC
 
 def reconfigure(old: LimitController, new_config: LimitConfig) -> LimitController:
     """The controller to use after a reload; see the module doc for the semantics."""
-    start = new_config.clamp(old.limit)
+    # Inside its min_rtt window a gradient controller's limit is pinned at min: what it
+    # will come back to is the limit to carry.
+    start = new_config.clamp(old.settled_limit if isinstance(old, GradientLimit) else old.limit)
     if isinstance(new_config, KneeLimitConfig) and isinstance(old, KneeLimit):
         return KneeLimit(new_config, start, solo=old.learned)
+    if isinstance(new_config, GradientLimitConfig) and isinstance(old, GradientLimit):
+        return GradientLimit(new_config, start, min_rtt=old.min_rtt)
     return build_controller(new_config, start=start)

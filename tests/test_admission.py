@@ -362,6 +362,77 @@ async def test_later_arrivals_never_overtake_waiters() -> None:
     assert got == ["early", "late"] and b.in_flight == 3
 
 
+async def test_a_waiter_goes_ahead_only_onto_a_backend_no_earlier_waiter_could_use() -> None:
+    # One pool, two backends serving different models: a request for b waited behind one
+    # for a, busy, while b was idle (and was shed at its deadline).
+    a, b = Backend("a", limit=1), Backend("b", limit=1)
+    for_a, for_b = first_with_room(a), first_with_room(b)
+
+    def uses_a(x: Backend) -> bool:
+        return x is a
+
+    def uses_b(x: Backend) -> bool:
+        return x is b
+
+    adm = pool()
+    first_a = await adm.acquire(
+        for_a, priority=Priority.INTERACTIVE, deadline=FAR, could_use=uses_a
+    )
+    first_b = await adm.acquire(
+        for_b, priority=Priority.INTERACTIVE, deadline=FAR, could_use=uses_b
+    )
+    got: list[str] = []
+
+    async def wait(tag: str, pick: Callable[[], Backend | None], could_use: Callable) -> None:
+        await adm.acquire(pick, priority=Priority.INTERACTIVE, deadline=FAR, could_use=could_use)
+        got.append(tag)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait, "a1", for_a, uses_a)
+        await wait_all_tasks_blocked()
+        tg.start_soon(wait, "b1", for_b, uses_b)  # b is busy too: it queues behind a1
+        await wait_all_tasks_blocked()
+        tg.start_soon(wait, "a2", for_a, uses_a)
+        await wait_all_tasks_blocked()
+        assert adm.depth() == 3
+        first_b.release(Outcome.SUCCESS)  # b frees while the head (a1) still cannot run
+        await wait_all_tasks_blocked()
+        assert got == ["b1"]
+        newcomer = anyio.Event()
+
+        async def b_newcomer() -> None:
+            await adm.acquire(for_b, priority=Priority.INTERACTIVE, deadline=FAR, could_use=uses_b)
+            newcomer.set()
+
+        tg.start_soon(b_newcomer)  # b is taken again (b1): it must queue
+        await wait_all_tasks_blocked()
+        assert not newcomer.is_set() and adm.depth() == 3
+        first_a.release(Outcome.SUCCESS)  # a frees: the first waiter for a gets it, not a2
+        await wait_all_tasks_blocked()
+        assert got == ["b1", "a1"]
+        assert a.granted_over_limit == 0 and b.granted_over_limit == 0
+        tg.cancel_scope.cancel()
+
+
+async def test_a_waiter_that_names_no_backends_is_never_gone_ahead_of() -> None:
+    a, b = Backend("a", limit=1), Backend("b", limit=1)
+    adm = pool()
+    await adm.acquire(first_with_room(a), priority=Priority.INTERACTIVE, deadline=FAR)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(park, adm, first_with_room(a))  # without could_use: it may want b too
+        await wait_all_tasks_blocked()
+
+        async def for_b() -> None:
+            await adm.acquire(
+                first_with_room(b), priority=Priority.BATCH, deadline=FAR, could_use=lambda x: True
+            )
+
+        tg.start_soon(for_b)  # b is idle, but the waiter ahead has not said it won't want it
+        await wait_all_tasks_blocked()
+        assert adm.depth() == 2 and b.in_flight == 0
+        tg.cancel_scope.cancel()
+
+
 async def test_the_routers_refusal_reaches_the_waiter() -> None:
     b = Backend("a", limit=1)
     pick = first_with_room(b)

@@ -210,3 +210,49 @@ def test_reload_raises_the_limit_without_losing_queued_requests(
         assert results == [(200, 250)] * 4
     finally:
         gw.proc.stop()
+
+
+def test_a_request_for_an_idle_backend_does_not_wait_behind_one_for_a_busy_one(
+    tmp_path: Path,
+) -> None:
+    # One pool, two backends serving different models. A request for the second model
+    # waited behind a queued one for the first, busy, model, and was shed at its deadline
+    # while its own backend was idle.
+    other = "meta-llama/Llama-3.1-8B"
+    busy = start_sim(tmp_path, ttft_ms=2, itl_ms=20)
+    idle = start_sim(tmp_path, ttft_ms=2, itl_ms=2, model=other)
+    gw = start_gateway(
+        tmp_path,
+        {
+            "backends": [
+                backend("busy", busy.url, limit=STATIC_1),
+                {**backend("idle", idle.url), "models": [other]},
+            ]
+        },
+    )
+    long_stream = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}  # ~4 s
+    url = gw.url + "/v1/chat/completions"
+    threads = [
+        threading.Thread(target=lambda: httpx.post(url, json=long_stream, timeout=30))
+        for _ in range(2)
+    ]
+    try:
+        threads[0].start()
+        wait_until(lambda: gw.state()["backends"][0]["in_flight"] == 1)
+        threads[1].start()  # queues for the busy backend
+        wait_until(lambda: gw.state()["pools"]["short"]["queue_depth"] == 1)
+        answer = httpx.post(
+            url,
+            json={"model": other, "messages": CHAT["messages"], "max_tokens": 2},
+            headers={"x-kneecap-max-queue-wait": "0.5"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-kneecap-backend"] == "idle"
+        assert gw.state()["pools"]["short"]["queue_depth"] == 1  # the other still waits
+    finally:
+        for t in threads:
+            t.join(30)
+        gw.proc.stop()
+        busy.stop()
+        idle.stop()

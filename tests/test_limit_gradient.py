@@ -8,6 +8,7 @@ import pytest
 
 from policies.base import Sample
 from policies.gradient import GradientLimit, GradientLimitConfig
+from policies.registry import reconfigure
 
 
 def sample(now: float, ttft: float | None) -> Sample:
@@ -107,3 +108,24 @@ def test_five_updates_pinned_at_min_trigger_an_early_remeasure() -> None:
         t += 5
     ctl.update(sample(t, 10.0))
     assert ctl.measuring_min_rtt
+
+
+def test_a_reload_keeps_the_measured_min_rtt_and_the_limit() -> None:
+    # A new knob (buffer) made a new controller that measured min_rtt again from scratch:
+    # pinned at min, for good when traffic was too light to give it a percentile.
+    old = measured(initial=20)
+    assert old.update(sample(15.0, 0.1)) == envoy(20, 0.1, 0.1)
+    limit = old.limit
+    new = reconfigure(old, GradientLimitConfig(initial=20, buffer=0.3))
+    assert isinstance(new, GradientLimit)
+    assert new.limit == limit and new.min_rtt == old.min_rtt and not new.measuring_min_rtt
+    assert new.update(sample(16.0, None)) == limit  # no traffic: the limit stays
+
+
+def test_a_reload_inside_a_min_rtt_window_carries_the_limit_it_will_return_to() -> None:
+    old = measured(initial=20)
+    old.update(sample(15.0, 0.1))
+    settled = old.limit
+    assert old.update(sample(200.0, 0.1)) == 3  # the periodic re-measure: pinned at min
+    new = reconfigure(old, GradientLimitConfig(initial=20, buffer=0.3))
+    assert new.limit == settled  # not the window's min

@@ -10,7 +10,17 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import MODEL, Gateway, Proc, backend, start_gateway, start_sim, wait_until
+from tests.procs import (
+    MODEL,
+    Gateway,
+    Proc,
+    backend,
+    free_port,
+    start_gateway,
+    start_sim,
+    wait_until,
+)
+from tests.test_proxy_wire import metric_sum
 
 STATIC_1 = {"kind": "static", "initial": 1, "min": 1, "max": 1}
 STATIC_8 = {"kind": "static", "initial": 8, "min": 1, "max": 8}
@@ -302,5 +312,24 @@ def test_a_local_tokenizer_json_counts_exactly(tmp_path: Path, trio: dict[str, P
     try:
         assert served_by(gw, chat("hello " * 6_000)) in {"s0", "s1"}
         assert served_by(gw, chat("hello " * 9_000)) == "l0"
+    finally:
+        gw.proc.stop()
+
+
+def test_a_refusal_for_want_of_a_backend_counts_in_the_pool_the_prompt_belongs_to(
+    tmp_path: Path,
+) -> None:
+    # It was counted in the pool of the first backend serving the model, whatever the
+    # prompt's length: a long prompt's refusal showed on the short pool's panel.
+    nowhere = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    gw = gateway(
+        tmp_path,
+        [backend("short-0", nowhere[0], "short"), backend("long-0", nowhere[1], "long")],
+    )
+    try:
+        refused = post(gw, chat("word " * 9000))  # ~11K tokens: the long pool's
+        assert refused.status_code == 503
+        assert metric_sum(gw.url, "kneecap_rejected_requests_total", pool="long") == 1
+        assert metric_sum(gw.url, "kneecap_rejected_requests_total", pool="short") == 0
     finally:
         gw.proc.stop()

@@ -183,6 +183,16 @@ def test_a_pool_without_healthy_backends_hands_over_to_the_nearest() -> None:
     assert plan_pools(POOLS, set(), 100) is None
 
 
+def test_overlapping_ranges_send_a_prompt_to_the_first_pool_in_config_order() -> None:
+    # As documented; the tie-break meant for gaps between ranges sent it to the longer one.
+    pools = {
+        "a": PoolConfig(max_prompt_tokens=16384),
+        "b": PoolConfig(min_prompt_tokens=4096),
+    }
+    assert plan_pools(pools, set(pools), 6_000).home == "a"  # type: ignore[union-attr]
+    assert plan_pools(pools, set(pools), 20_000).home == "b"  # type: ignore[union-attr]
+
+
 def test_three_pools_lend_nearest_first() -> None:
     pools = {
         "chat": PoolConfig(max_prompt_tokens=2048),
