@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.settings import BackendConfig
 from gateway.window import RollingWindow
+
+log = logging.getLogger("kneecap.health")
 
 UNLIMITED = 1 << 30
 
@@ -88,4 +91,10 @@ class Replica:
         """Passive ejection: enough failures in a row take the replica out."""
         self.consecutive_failures += 1
         if self.consecutive_failures >= threshold:
+            if self.healthy:  # the active probe says "up" again; this is its "DOWN"
+                log.warning(
+                    "backend %s is DOWN (%d failed requests in a row)",
+                    self.name,
+                    self.consecutive_failures,
+                )
             self.healthy = False

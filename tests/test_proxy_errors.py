@@ -8,7 +8,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import MODEL, Gateway, Proc, backend, free_port, start_gateway
+from tests.procs import (
+    MODEL,
+    Gateway,
+    Proc,
+    backend,
+    free_port,
+    start_gateway,
+    start_sim,
+    wait_until,
+)
+from tests.test_proxy_wire import sim_running
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -176,3 +186,22 @@ def test_the_simulators_tokenize_takes_the_served_model_when_none_is_named(
     response = httpx.post(sims[0].url + "/tokenize", json={"prompt": "abcdefgh"}, timeout=10)
     assert response.status_code == 200
     assert response.json()["count"] == 2  # 4 UTF-8 bytes a token
+
+
+def test_a_fixed_latency_simulator_lets_a_client_leave_mid_stream_quietly(tmp_path: Path) -> None:
+    # Closing its token generator from the disconnect watcher while the stream was inside
+    # it raised "aclose(): asynchronous generator is already running": one ERROR and a
+    # traceback per client that left, in the gateway's log when the sim is embedded.
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=20)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
+        for _ in range(3):
+            with httpx.stream(
+                "POST", sim.url + "/v1/chat/completions", json={**body, "max_tokens": 500}
+            ) as stream:
+                next(stream.iter_bytes())  # under way; then the client leaves
+        wait_until(lambda: sim_running(sim) == 0)
+    finally:
+        sim.stop()
+    assert "Exception in ASGI application" not in sim.output()
+    assert "already running" not in sim.output()

@@ -146,8 +146,11 @@ class _Completions:
         model = self._model
         tokens = run.tokens
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        left: list[bool] = []
         async with asyncio.TaskGroup() as group:
-            watcher = group.create_task(_close_on_disconnect(receive, tokens))
+            watcher = group.create_task(_cancel_on_disconnect(receive, streaming, left))
             try:
                 if run.chat:
                     role = {"role": "assistant", "content": ""}
@@ -168,9 +171,13 @@ class _Completions:
                     prompt = run.gen.prompt_tokens
                     last += wire.usage_chunk(run.ident, model, name, prompt, completion)
                 await send({"type": "http.response.body", "body": last + wire.DONE})
+            except asyncio.CancelledError:
+                if not left:
+                    raise
+                streaming.uncancel()  # the client left: the stream just ends
             finally:
                 watcher.cancel()
-                await tokens.aclose()
+                await tokens.aclose()  # cancels the sequence, once the loop let go of it
 
     async def _complete(self, run: _Generation) -> Response:
         parts = []
@@ -215,10 +222,16 @@ async def _read_body(receive: Receive) -> bytes | None:
             return b"".join(parts)
 
 
-async def _close_on_disconnect(receive: Receive, tokens: TokenIterator) -> None:
+async def _cancel_on_disconnect(
+    receive: Receive, streaming: asyncio.Task, left: list[bool]
+) -> None:
+    """Stops the streaming loop when the client goes. Not by closing its token iterator
+    from here: an async generator (the fixed-latency engine's) cannot be closed while the
+    loop is inside it, and every disconnect logged a RuntimeError."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    await tokens.aclose()  # cancels the sequence; the stream then ends
+    left.append(True)
+    streaming.cancel()
 
 
 def _payload(body: bytes, model: str) -> dict[str, Any] | Response:
