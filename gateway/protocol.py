@@ -35,27 +35,39 @@ class _HeadTooLarge(Exception):
 
 
 class GatewayProtocol(HttpToolsProtocol):
-    _head_bytes = 0
+    _head_bytes = 0  # bytes of earlier reads while the head was incomplete
+    _read = 0  # bytes of the read being parsed
+    _heading = False  # a request's head is being read
     _head_too_large = False
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._heading = True
         self._head_bytes = 0
         self.scope[ARRIVED_SCOPE_KEY] = time.perf_counter()  # type: ignore[typeddict-unknown-key]
 
-    def on_url(self, url: bytes) -> None:
-        self._count(len(url))
-        super().on_url(url)
+    def on_headers_complete(self) -> None:
+        self._heading = False
+        # The head is within the bytes read for it: measured only when those could exceed
+        # the limit (a callback per header cost the request path more than the check).
+        if self._head_bytes + self._read > MAX_HEAD_BYTES:
+            size = len(self.url) + sum(len(name) + len(value) for name, value in self.headers)
+            if size > MAX_HEAD_BYTES:
+                self._head_too_large = True
+                raise _HeadTooLarge  # httptools makes it a parser error: uvicorn's 400 path
+        super().on_headers_complete()
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value))
-        super().on_header(name, value)
-
-    def _count(self, size: int) -> None:
-        self._head_bytes += size
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._head_too_large = True
-            raise _HeadTooLarge  # httptools turns it into a parser error: uvicorn's 400 path
+    def data_received(self, data: bytes) -> None:
+        self._read = len(data)
+        super().data_received(data)
+        # A head still not whole after a read is counted there, so one that never ends
+        # is held to at most one read past the limit.
+        if self._heading:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES and self.transport is not None:
+                self._heading = False
+                self.transport.write(_TOO_LARGE)
+                self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         if not self._head_too_large:

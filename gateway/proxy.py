@@ -128,7 +128,8 @@ def _max_queue_wait(request: ProxyRequest, pool: PoolConfig) -> float:
 
 def _upstream_fields(request: ProxyRequest, replica: Replica, forward_key: bool) -> bytes:
     """The upstream request's header lines, from the client's raw ones (no decoding)."""
-    dropped = _NOT_FORWARDED | connection_options(request.headers.get("connection"))
+    named = connection_options(request.headers.get("connection"))
+    dropped = _NOT_FORWARDED | named if named else _NOT_FORWARDED
     lines = [b"%s: %s\r\n" % pair for pair in request.raw_headers if pair[0] not in dropped]
     lines.append(_FIXED_FIELDS)
     lines.append(b"x-request-id: %s\r\n" % request.request_id.encode("latin-1"))

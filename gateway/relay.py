@@ -44,10 +44,13 @@ HOP_BY_HOP = frozenset(
 _NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP | {"date", "server"})
 
 
+_NOTHING: frozenset[bytes] = frozenset()
+
+
 def connection_options(value: str | bytes | None) -> frozenset[bytes]:
     """Header names a ``Connection`` header lists: hop-by-hop too (RFC 9110 §7.6.1)."""
-    if not value:
-        return frozenset()
+    if not value or value == "keep-alive":  # what clients send: nothing to drop
+        return _NOTHING
     if isinstance(value, str):
         value = value.encode("latin-1")
     return frozenset(name.strip().lower() for name in value.split(b",")) - {b""}

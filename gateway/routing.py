@@ -123,9 +123,4 @@ class RoutingState:
         path = estimator.tokenizers.get(model) if estimator.mode == "tokenizer" else None
         if path is not None:
             return Estimate(self.tokenizers.count(path, shape), exact=True)
-        calibration = self.calibration
-        return Estimate(
-            calibration.estimate(model, shape),
-            exact=False,
-            floor=calibration.floor(model, shape),
-        )
+        return self.calibration.estimate_with_floor(model, shape)

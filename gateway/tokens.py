@@ -106,6 +106,13 @@ class CharsPerToken:
         """The estimate at the calibrated ratio or the prior, whichever counts fewer."""
         return self._at(max(self.chars_per_token(model), self.prior), shape)
 
+    def estimate_with_floor(self, model: str, shape: PromptShape) -> Estimate:
+        """``estimate`` and ``floor`` at once: one ratio lookup, one count when they agree."""
+        ratio = self.chars_per_token(model)
+        tokens = self._at(ratio, shape)
+        floor = self._at(self.prior, shape) if ratio < self.prior else tokens
+        return Estimate(tokens, exact=False, floor=floor)
+
     def _at(self, chars_per_token: float, shape: PromptShape) -> int:
         text = shape.chars / chars_per_token
         return round(text) + self.template.overhead(shape) + shape.token_ids

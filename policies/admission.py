@@ -216,7 +216,11 @@ class PoolAdmission(Generic[T]):
         now = self._clock()
         if len(self._queue):
             self._dispatch(now)
-        if not len(self._queue) or could_use is not None:
+        if not len(self._queue):
+            backend = pick()
+            if backend is not None:
+                return self._lease(backend, 0.0)
+        elif could_use is not None:
             backend = pick()
             if backend is not None and not self._wanted_by_waiters(backend, self._queue):
                 return self._lease(backend, 0.0)

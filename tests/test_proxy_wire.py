@@ -682,3 +682,19 @@ def test_a_request_head_over_64_kib_is_431_and_the_gateway_serves_on(wire_gw: Ga
     finally:
         normal.close()
     assert answer["status"] == 200
+
+
+def test_a_request_head_that_never_ends_is_cut_at_64_kib(wire_gw: Gateway) -> None:
+    # Sent a piece at a time without its blank line, a head was held whatever it grew to.
+    slow = RawConnection(wire_gw)
+    try:
+        slow.send(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+        for n in range(20):  # 20 x 8 KiB of headers, never the blank line
+            try:
+                slow.send(b"x-pad-%d: %s\r\n" % (n, b"p" * 8192))
+            except OSError:
+                break  # the gateway answered and closed mid-way: what is tested
+        (answer,) = slow.responses(1)
+    finally:
+        slow.close()
+    assert answer["status"] == 431
