@@ -110,6 +110,18 @@ def start_sim(tmp: Path, *, port: int | None = None, model: str = MODEL, **optio
     return start_process(args, f"http://127.0.0.1:{port}", "/health", tmp / f"sim-{port}.log")
 
 
+def start_raw_sse(tmp: Path) -> Proc:
+    """:mod:`tests.raw_sse_backend`: a backend whose every answer is its request's script."""
+    port = free_port()
+    return start_process(
+        ["--port", str(port)],
+        f"http://127.0.0.1:{port}",
+        "/health",
+        tmp / f"raw-{port}.log",
+        module="tests.raw_sse_backend",
+    )
+
+
 @dataclass
 class Gateway:
     proc: Proc

@@ -17,7 +17,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import Gateway, Proc, free_port, start_gateway, start_process, wait_until
+from tests.procs import (
+    Gateway,
+    Proc,
+    start_gateway,
+    start_raw_sse,
+    wait_until,
+)
 from tests.raw_sse_backend import MODEL
 from tests.test_proxy_upstream_request import MODEL as ECHO_MODEL
 from tests.test_proxy_upstream_request import echo_backend, fields_of, start_echo
@@ -65,14 +71,7 @@ def module_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def raw(module_tmp: Path) -> Iterator[Proc]:
-    port = free_port()
-    proc = start_process(
-        ["--port", str(port)],
-        f"http://127.0.0.1:{port}",
-        "/health",
-        module_tmp / "raw.log",
-        module="tests.raw_sse_backend",
-    )
+    proc = start_raw_sse(module_tmp)
     try:
         yield proc
     finally:

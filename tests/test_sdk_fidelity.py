@@ -25,9 +25,8 @@ from tests.procs import (
     Gateway,
     Proc,
     backend,
-    free_port,
     start_gateway,
-    start_process,
+    start_raw_sse,
     start_sim,
     wait_until,
 )
@@ -78,14 +77,7 @@ def sim(module_tmp: Path) -> Iterator[Proc]:
 
 @pytest.fixture(scope="module")
 def raw(module_tmp: Path) -> Iterator[Proc]:
-    port = free_port()
-    proc = start_process(
-        ["--port", str(port)],
-        f"http://127.0.0.1:{port}",
-        "/health",
-        module_tmp / "raw.log",
-        module="tests.raw_sse_backend",
-    )
+    proc = start_raw_sse(module_tmp)
     try:
         yield proc
     finally:
