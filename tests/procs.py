@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,14 @@ def start_sim(tmp: Path, *, port: int | None = None, model: str = MODEL, **optio
     for key, value in options.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
     return start_process(args, f"http://127.0.0.1:{port}", "/health", tmp / f"sim-{port}.log")
+
+
+def served(proc: Proc) -> Iterator[Proc]:
+    """A fixture's body for a process: yield it, stop it afterwards."""
+    try:
+        yield proc
+    finally:
+        proc.stop()
 
 
 def start_raw_sse(tmp: Path) -> Proc:

@@ -20,6 +20,7 @@ import pytest
 from tests.procs import (
     Gateway,
     Proc,
+    served,
     start_gateway,
     start_raw_sse,
     wait_until,
@@ -71,20 +72,12 @@ def module_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def raw(module_tmp: Path) -> Iterator[Proc]:
-    proc = start_raw_sse(module_tmp)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from served(start_raw_sse(module_tmp))
 
 
 @pytest.fixture(scope="module")
 def echo(module_tmp: Path) -> Iterator[Proc]:
-    proc = start_echo(module_tmp)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from served(start_echo(module_tmp))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import Gateway, Proc, start_gateway, start_raw_sse
+from tests.procs import Gateway, Proc, served, start_gateway, start_raw_sse
 from tests.raw_sse_backend import MODEL
 from tests.test_proxy_wire import idle, new_id, record_of
 
@@ -79,11 +79,7 @@ def module_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def raw(module_tmp: Path) -> Iterator[Proc]:
-    proc = start_raw_sse(module_tmp)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from served(start_raw_sse(module_tmp))
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from tests.procs import (
     Gateway,
     Proc,
     backend,
+    served,
     start_gateway,
     start_raw_sse,
     start_sim,
@@ -68,29 +69,17 @@ def module_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def sim(module_tmp: Path) -> Iterator[Proc]:
-    proc = start_sim(module_tmp, ttft_ms=5, itl_ms=2)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from served(start_sim(module_tmp, ttft_ms=5, itl_ms=2))
 
 
 @pytest.fixture(scope="module")
 def raw(module_tmp: Path) -> Iterator[Proc]:
-    proc = start_raw_sse(module_tmp)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from served(start_raw_sse(module_tmp))
 
 
 @pytest.fixture(scope="module")
 def echo(module_tmp: Path) -> Iterator[Proc]:
-    proc = start_echo(module_tmp)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from served(start_echo(module_tmp))
 
 
 def sim_context_known(gw: Gateway) -> bool:
