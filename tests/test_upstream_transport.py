@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gateway.perf.backend import MODEL, BackendProtocol
-from gateway.upstream import UpstreamTransport
+from gateway.upstream import _HIGH_WATER, UpstreamTransport
 from tests.polling import eventually
 
 pytestmark = pytest.mark.anyio
@@ -338,12 +338,22 @@ async def test_bytes_after_a_complete_answer_never_reach_the_next_request(
 
 
 class _BigAnswer(_Backend):
-    """Answers every request at once with a body larger than the transport buffers
-    before it stops reading the socket."""
+    """Answers every request with a body larger than the transport buffers before it stops
+    reading the socket: all but its last bytes at once, the rest when the test says, so
+    that the read that completes the answer is the one that crosses the limit (sent in
+    one write, a loaded machine's partial sends made the limit fall mid-answer, and the
+    answer never complete)."""
+
+    TAIL = 10_000
+    last: _BigAnswer | None = None
 
     def data_received(self, data: bytes) -> None:
-        body = b"x" * 400_000
-        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        type(self).last = self
+        head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (_HIGH_WATER + self.TAIL)
+        self.transport.write(head + b"x" * _HIGH_WATER)
+
+    def send_the_tail(self) -> None:
+        self.transport.write(b"x" * self.TAIL)
 
 
 async def test_a_connection_paused_on_a_whole_unread_answer_reads_again_when_reused() -> None:
@@ -356,12 +366,17 @@ async def test_a_connection_paused_on_a_whole_unread_answer_reads_again_when_reu
     async with server:
         first = await transport.post(url + "/v1/completions", b"", b"{}", {"read": 5.0})
         conn = first._body._conn  # type: ignore[union-attr]
+        await eventually(lambda: conn.buffered == _HIGH_WATER, "the answer's bulk never arrived")
+        assert _BigAnswer.last is not None and not conn.paused
+        _BigAnswer.last.send_the_tail()
         await eventually(lambda: conn.complete, "the whole answer never arrived")
         assert conn.paused  # what makes this case: it stopped reading, then completed
         await first.aclose()  # unread: the connection goes back to the pool as it is
         second = await transport.post(url + "/v1/completions", b"", b"{}", {"read": 2.0})
         assert second.status_code == 200
-        assert len(await second.aread()) == 400_000
+        assert _BigAnswer.last is not None
+        _BigAnswer.last.send_the_tail()
+        assert len(await second.aread()) == _HIGH_WATER + _BigAnswer.TAIL
         await second.aclose()
         assert transport._open == 1  # the same connection, reused
         await transport.aclose()
