@@ -54,6 +54,10 @@ class Route:
     # The fewest tokens the longest sequence may have: what a context must hold.
     longest_prompt: int
 
+    def could_serve(self, replica: Replica, tried: set[str]) -> bool:
+        """Its model, not tried already, context enough; health and pool aside."""
+        return self.model in replica.models and replica.name not in tried and self.fits(replica)
+
     def fits(self, replica: Replica) -> bool:
         """The replica's context can hold the prompt and the requested output."""
         return fits_context(
@@ -69,7 +73,7 @@ def candidates(runtime: Runtime, pool: str, route: Route, tried: set[str]) -> li
     return [
         r
         for r in runtime.current.backends.in_pool(pool)
-        if r.healthy and route.model in r.models and r.name not in tried and route.fits(r)
+        if r.healthy and route.could_serve(r, tried)
     ]
 
 
@@ -77,7 +81,7 @@ def awaiting_probe(runtime: Runtime, route: Route, tried: set[str]) -> bool:
     """A replica a reload just added could serve this request once probed: better to
     wait for that verdict (a probe round starts at once) than to refuse."""
     return any(
-        not r.probed and route.model in r.models and r.name not in tried and route.fits(r)
+        not r.probed and route.could_serve(r, tried)
         for pool in route.pools
         for r in runtime.current.backends.in_pool(pool)
     )
@@ -201,13 +205,7 @@ def make_could_use(route: Route, tried: set[str]) -> Callable[[Claim[Replica]], 
     pools = frozenset(route.pools)
 
     def could_use(claim: Claim[Replica]) -> bool:
-        replica = claim.backend
-        return (
-            replica.pool in pools
-            and route.model in replica.models
-            and replica.name not in tried
-            and route.fits(replica)
-        )
+        return claim.backend.pool in pools and route.could_serve(claim.backend, tried)
 
     return could_use
 

@@ -155,7 +155,7 @@ class Runtime:
         """Live state → gauges; run before each exposition, so requests pay nothing."""
         self.recorder.flush()
         self._forget_drained()
-        self._sync_admissions()  # a removed pool whose last request ended goes
+        self._drop_removed_pools()  # a removed pool whose last request ended goes
         now = time.perf_counter()
         mono = time.monotonic()
         staleness = self.current.settings.measurement.scrape_staleness_s
@@ -185,16 +185,8 @@ class Runtime:
         return self.admissions[pool]
 
     def _sync_admissions(self) -> None:
-        pools = self.current.settings.pools
-        for name in [n for n in self.admissions if n not in pools]:
-            admission = self.admissions[name]
-            # A removed pool's queue is served (or refused) by the notify that follows;
-            # it goes once nothing waits in it and no lease of it is held.
-            if admission.depth() == 0 and admission.leased == 0:
-                admission.close()
-                del self.admissions[name]
-                self.metrics.remove_pool(name, [p.name.lower() for p in Priority])
-        for name, pool in pools.items():
+        self._drop_removed_pools()
+        for name, pool in self.current.settings.pools.items():
             existing = self.admissions.get(name)
             if existing is None:
                 self.admissions[name] = PoolAdmission(
@@ -204,6 +196,17 @@ class Runtime:
                 existing.configure(
                     max_queue_depth=pool.max_queue_depth, batch_share=pool.batch_share
                 )
+
+    def _drop_removed_pools(self) -> None:
+        """A removed pool's queue is served (or refused) by the notify that follows a
+        reload; the pool goes once nothing waits in it and no lease of it is held."""
+        pools = self.current.settings.pools
+        for name in [n for n in self.admissions if n not in pools]:
+            admission = self.admissions[name]
+            if admission.depth() == 0 and admission.leased == 0:
+                admission.close()
+                del self.admissions[name]
+                self.metrics.remove_pool(name, [p.name.lower() for p in Priority])
 
     def notify(self, replica: Replica | None = None) -> None:
         """Capacity may have changed: queued requests try again."""

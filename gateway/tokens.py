@@ -102,12 +102,9 @@ class CharsPerToken:
     def estimate(self, model: str, shape: PromptShape) -> int:
         return self._at(self.chars_per_token(model), shape)
 
-    def floor(self, model: str, shape: PromptShape) -> int:
-        """The estimate at the calibrated ratio or the prior, whichever counts fewer."""
-        return self._at(max(self.chars_per_token(model), self.prior), shape)
-
     def estimate_with_floor(self, model: str, shape: PromptShape) -> Estimate:
-        """``estimate`` and ``floor`` at once: one ratio lookup, one count when they agree."""
+        """The estimate, and as its floor the count at the calibrated ratio or the prior,
+        whichever counts fewer: one ratio lookup, one count when they agree."""
         ratio = self.chars_per_token(model)
         tokens = self._at(ratio, shape)
         floor = self._at(self.prior, shape) if ratio < self.prior else tokens

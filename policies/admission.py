@@ -279,9 +279,11 @@ class PoolAdmission(Generic[T]):
             self._grant(waiter, backend, now)
 
     def _serve_past(self, head: _Waiter[T], now: float) -> None:
+        if head.could_use is None:
+            return  # it may want anything: nobody goes ahead of it
         ahead = [head]
         for waiter in list(self._queue):
-            if len(ahead) > _MAX_SCANNED or head.could_use is None:
+            if len(ahead) > _MAX_SCANNED:
                 return
             if waiter is head:
                 continue

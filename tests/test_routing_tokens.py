@@ -301,7 +301,8 @@ def test_floor_counts_at_the_prior_after_a_dense_script_calibrated_the_ratio_dow
     assert estimator.observe(MODEL, shape_of(CJK), count_chat_tokens(CJK["messages"]))
     assert estimator.chars_per_token(MODEL) == pytest.approx(4 / 3, rel=0.01)
     shape = shape_of(ENGLISH)
-    assert estimator.floor(MODEL, shape) == count_chat_tokens(ENGLISH["messages"])
+    floor = estimator.estimate_with_floor(MODEL, shape).floor
+    assert floor == count_chat_tokens(ENGLISH["messages"])
     assert estimator.estimate(MODEL, shape) == pytest.approx(20_000 * 3 / 4 + 7, rel=0.01)
 
 
@@ -310,7 +311,8 @@ def test_floor_counts_at_the_calibrated_ratio_when_it_is_sparser_than_the_prior(
     sparse = chat("x" * 8000)
     assert estimator.observe(MODEL, shape_of(sparse), 1000 + 7)  # 8 characters a token
     shape = shape_of(ENGLISH)
-    assert estimator.floor(MODEL, shape) == estimator.estimate(MODEL, shape) == 2500 + 7
+    floor = estimator.estimate_with_floor(MODEL, shape).floor
+    assert floor == estimator.estimate(MODEL, shape) == 2500 + 7
 
 
 def test_a_prompt_with_an_image_does_not_calibrate() -> None:
