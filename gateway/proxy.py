@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,8 +263,8 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
                 window=replica.window,
                 admitted=flight.admitted,
             )
-            finish = _stream_finisher(runtime, flight, route, lease)
-            return StreamRelay(upstream, meter, extra, finish)
+            finisher = _StreamFinisher(runtime, flight, route, lease)
+            return StreamRelay(upstream, meter, extra, finisher)
         return await _buffered(runtime, flight, route, upstream, lease, extra)
     if last_replica is not None and last_error is not None:
         runtime.recorder.finished(flight, last_replica, _status_of(last_error))
@@ -345,21 +345,28 @@ def _shed(
     return RateLimited(message, code=reason, headers={"retry-after": retry_after})
 
 
-def _stream_finisher(
-    runtime: Runtime, flight: Flight, route: Route, lease: Lease[Claim[Replica]]
-) -> Callable[[StreamEnd], None]:
-    def finish(end: StreamEnd) -> None:
-        replica = lease.backend.backend
-        try:
-            if _OUTCOME[end.status] is Outcome.DROPPED:
-                replica.record_failure(runtime.current.settings.health.failure_threshold)
-            runtime.recorder.finished(flight, replica, end.status, meter=end.meter)
-            if end.status == "ok":
-                _calibrate(runtime, route, end.meter.usage)
-        finally:
-            _release(runtime, flight, lease, _OUTCOME[end.status])
+@dataclass(frozen=True, slots=True)
+class _StreamFinisher:
+    runtime: Runtime
+    flight: Flight
+    route: Route
+    lease: Lease[Claim[Replica]]
 
-    return finish
+    def record(self, end: StreamEnd) -> None:
+        self.runtime.recorder.finished(
+            self.flight, self.lease.backend.backend, end.status, meter=end.meter
+        )
+        if end.status == "ok":
+            _calibrate(self.runtime, self.route, end.meter.usage)
+
+    def release(self, end: StreamEnd) -> None:
+        outcome = _OUTCOME[end.status]
+        try:
+            if outcome is Outcome.DROPPED:
+                threshold = self.runtime.current.settings.health.failure_threshold
+                self.lease.backend.backend.record_failure(threshold)
+        finally:
+            _release(self.runtime, self.flight, self.lease, outcome)
 
 
 async def _buffered(

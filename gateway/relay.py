@@ -1,19 +1,20 @@
 """Upstream → client, byte for byte, timed on the way.
 
 ``StreamRelay`` is a pure ASGI response. It owns the request's lease until the
-last byte: the permit is released exactly once, in ``finally``, whatever ended
-the stream. A client that goes away is noticed by the request's
-:class:`~gateway.disconnect.DisconnectWatch`, which cancels the task running
-the relay; the cancellation lands in the upstream read or the client write,
-and ``finally`` closes the upstream request and records the stream as
-``client_closed``.
+backend's body is over: the permit is released exactly once, in ``finally`` at the
+latest, whatever ended the stream. The request is recorded once too, as soon as the
+client has it all (its ``[DONE]``), which may be before the backend ends its body.
+A client that goes away is noticed by the request's
+:class:`~gateway.disconnect.DisconnectWatch`, which cancels the task running the
+relay; the cancellation lands in the upstream read or the client write, and
+``finally`` closes the upstream request and records the stream as ``client_closed``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 import httpx
@@ -100,6 +101,16 @@ class StreamEnd:
     error: str | None = None
 
 
+class StreamFinisher(Protocol):
+    """What becomes of a relayed stream, each step once."""
+
+    def record(self, end: StreamEnd) -> None:
+        """Count the request in the metrics: the client has all it will get."""
+
+    def release(self, end: StreamEnd) -> None:
+        """Give the backend's permit back: its body is over, or the stream was cut."""
+
+
 def error_event(message: str, code: str = "upstream_error") -> bytes:
     body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -111,18 +122,19 @@ class StreamRelay:
         upstream: UpstreamResponse,
         meter: StreamMeter,
         headers: dict[str, str],
-        finish: Callable[[StreamEnd], None],
+        finisher: StreamFinisher,
     ) -> None:
         self.upstream = upstream
         self.meter = meter
         self.headers = headers
-        self.finish = finish
+        self.finisher = finisher
         # An answer that says it is no SSE (NDJSON, text) has no events to time or strip,
         # and holding bytes back until a blank line would stop it streaming at all.
         self.events = is_event_stream(upstream.raw_headers)
         # Set once the upstream body is over, before the last send: the client may
         # hang up the moment it has the last byte, and that is not a disconnect.
         self._end: StreamEnd | None = None
+        self._recorded: StreamEnd | None = None
         self._finished = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -154,6 +166,11 @@ class StreamRelay:
             return "upstream_error"
         return "client_error" if meter.client_error else "ok"
 
+    def _record(self, end: StreamEnd) -> None:
+        if self._recorded is None:
+            self._recorded = end
+            self.finisher.record(end)
+
     async def _close_and_finish(self, end: StreamEnd) -> None:
         """Give the upstream connection and the backend's permit back, once."""
         self._finished = True
@@ -162,7 +179,12 @@ class StreamRelay:
         if not self.upstream.close_nowait():
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
-        self.finish(end)
+        try:
+            self._record(end)
+        finally:
+            # A stream recorded at its [DONE] is released as recorded: what the backend
+            # did after it (an error, a reset) cost the client nothing.
+            self.finisher.release(self._recorded or end)
 
     async def _pump(self, send: Send) -> None:
         meter = self.meter
@@ -179,6 +201,11 @@ class StreamRelay:
                 if not events:
                     continue
                 kept = meter.observe(events)
+                if meter.done and self._recorded is None:
+                    # This write gives the client all it will get: the SDK stops reading
+                    # at [DONE] and may read /metrics at once, while the backend can
+                    # take a while longer to end its body.
+                    self._record(StreamEnd(self._status(), meter))
                 if kept is not None:
                     whole = framer.join(kept)
                     if not whole:

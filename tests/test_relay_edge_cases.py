@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import Gateway, Proc, served, start_gateway, start_raw_sse
+from tests.procs import Gateway, Proc, served, start_gateway, start_raw_sse, wait_until
 from tests.raw_sse_backend import MODEL
-from tests.test_proxy_wire import idle, new_id, record_of
+from tests.test_proxy_wire import idle, metric_sum, new_id, record_of, records
 
 SSE_HEAD = (
     "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -374,6 +374,41 @@ def test_an_event_with_null_usage_read_alone_reaches_the_client(gw: Gateway, raw
     data, record = relayed(gw, script, poke=(raw, b'"finish_reason":"stop"'))
     assert data == b"".join([NULL_USAGE, *STREAM, DONE])
     assert (record["prompt_tokens"], record["completion_tokens"]) == (7, 3)
+
+
+# --- recorded at [DONE] ------------------------------------------------------------
+
+
+def test_a_stream_is_counted_once_the_client_has_its_done(gw: Gateway, raw: Proc) -> None:
+    """The SDK stops reading at [DONE] and may read /metrics at once, while a backend can
+    take a while to end its body after it (a real vLLM on a busy CI machine did, and the
+    count was not there yet). The request is counted by the time the client has [DONE];
+    the backend's permit waits for the body's end."""
+    request_id = new_id("done")
+    script = [
+        ["send", SSE_HEAD],
+        *chunks(*STREAM, usage(7, 4), DONE),
+        ["await_poke"],
+        ["send", LAST_CHUNK],
+    ]
+    before = metric_sum(gw.url, "kneecap_completion_tokens_total", backend="raw")
+    with httpx.stream(
+        "POST", gw.url + CHAT, json=body(script), headers={"x-request-id": request_id}, timeout=10
+    ) as response:
+        parts = response.iter_raw()
+        data = b""
+        while not data.endswith(DONE):
+            data += next(parts)
+        counted = metric_sum(gw.url, "kneecap_completion_tokens_total", backend="raw") - before
+        listed = [r for r in records(gw) if r["request_id"] == request_id]
+        in_flight = {b["name"]: b["in_flight"] for b in gw.state()["backends"]}["raw"]
+        assert httpx.get(raw.url + "/poke", timeout=5).status_code == 200
+        data += b"".join(parts)
+    assert data == b"".join([*STREAM, DONE])
+    assert counted == 4
+    assert [(r["status"], r["completion_tokens"]) for r in listed] == [("ok", 4)]
+    assert in_flight == 1  # held until the body is over
+    wait_until(lambda: idle(gw), timeout=10)
 
 
 # --- inter-token latency ------------------------------------------------------------
