@@ -13,6 +13,7 @@ relay; the cancellation lands in the upstream read or the client write, and
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,10 +43,17 @@ HOP_BY_HOP = frozenset(
 )
 
 
+log = logging.getLogger("kneecap")
+
 _NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP | {"date", "server"})
 
 
 _NOTHING: frozenset[bytes] = frozenset()
+
+# An SSE event is held until its blank line, so that only whole events go out. Engines
+# send events of a few hundred bytes (a few KB with logprobs); one that runs past this
+# without ending is relayed unframed from there on, rather than held without bound.
+MAX_HELD_EVENT_BYTES = 1024 * 1024
 
 
 def connection_options(value: str | bytes | None) -> frozenset[bytes]:
@@ -166,6 +174,26 @@ class StreamRelay:
             return "upstream_error"
         return "client_error" if meter.client_error else "ok"
 
+    async def _give_up_framing(
+        self, framer: SSEFramer, whole: bytes, events: list[bytes], send: Send
+    ) -> None:
+        """Relay the held event's bytes and the rest of the stream as they come: it is
+        no longer timed, and a usage chunk in it is no longer dropped."""
+        log.warning(
+            "backend sent an SSE event over %d bytes without its end; "
+            "relaying the rest of this stream unframed",
+            MAX_HELD_EVENT_BYTES,
+        )
+        self.events = False
+        if events:
+            kept = self.meter.observe(events)
+            if self.meter.done:
+                self._record(StreamEnd(self._status(), self.meter))
+            if kept is not None:
+                whole = framer.join(kept)
+        held = whole + framer.take_pending()
+        await send({"type": "http.response.body", "body": held, "more_body": True})
+
     def _record(self, end: StreamEnd) -> None:
         if self._recorded is None:
             self._recorded = end
@@ -198,6 +226,9 @@ class StreamRelay:
                 # error event never lands inside a half-sent one. The bytes are the
                 # backend's; a read of whole events, nothing dropped, goes out as it came.
                 whole, events = framer.feed(chunk)
+                if len(framer.pending) > MAX_HELD_EVENT_BYTES:
+                    await self._give_up_framing(framer, whole, events, send)
+                    continue
                 if not events:
                     continue
                 kept = meter.observe(events)

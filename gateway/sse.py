@@ -79,3 +79,8 @@ class SSEFramer:
     def pending(self) -> bytes:
         """Bytes of an event that has not been terminated yet."""
         return self._tail
+
+    def take_pending(self) -> bytes:
+        """The pending bytes, no longer held: framing starts afresh after them."""
+        tail, self._tail, self._after_cr = self._tail, b"", False
+        return tail

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.relay import MAX_HELD_EVENT_BYTES
 from tests.procs import Gateway, Proc, served, start_gateway, start_raw_sse, wait_until
 from tests.raw_sse_backend import MODEL
 from tests.test_proxy_wire import idle, metric_sum, new_id, record_of, records
@@ -374,6 +375,31 @@ def test_an_event_with_null_usage_read_alone_reaches_the_client(gw: Gateway, raw
     data, record = relayed(gw, script, poke=(raw, b'"finish_reason":"stop"'))
     assert data == b"".join([NULL_USAGE, *STREAM, DONE])
     assert (record["prompt_tokens"], record["completion_tokens"]) == (7, 3)
+
+
+# --- an event that never ends -------------------------------------------------------
+
+
+def test_an_event_past_the_held_limit_is_relayed_before_it_ends(gw: Gateway, raw: Proc) -> None:
+    """Only whole events go out, so an event is held until its blank line; one that runs
+    past MAX_HELD_EVENT_BYTES is relayed as it comes instead (before the fix: held without
+    bound, the client got nothing until it ended, and the gateway's memory grew with it)."""
+    big = b'data: {"filler":"' + b"x" * (MAX_HELD_EVENT_BYTES + 512 * 1024)
+    big_end = b'"}\n\n'
+    script = [
+        ["send", SSE_HEAD],
+        *chunks(delta(role=True), delta("one ")),
+        *chunks(*(big[i : i + 65536] for i in range(0, len(big), 65536))),
+        ["await_poke"],  # until the client has the bulk of the unended event
+        *chunks(big_end, delta("", "stop"), usage(), DONE),
+        ["send", LAST_CHUNK],
+    ]
+    data, record = relayed(gw, script, asked=True, poke=(raw, b"x" * MAX_HELD_EVENT_BYTES))
+    assert data == b"".join([delta(role=True), delta("one "), big, big_end]) + b"".join(
+        [delta("", "stop"), usage(), DONE]
+    )
+    assert record["status"] == "ok"
+    assert record["ttft_s"] is not None  # timed up to the event it could not frame
 
 
 # --- recorded at [DONE] ------------------------------------------------------------
