@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from backends.replica import Replica
 from gateway.settings import BackendConfig
@@ -55,6 +56,22 @@ class BackendSet:
 
     def healthy_models(self) -> list[str]:
         return sorted({m for r in self.replicas if r.healthy for m in r.models})
+
+    def model_listing(self) -> list[dict[str, Any]]:
+        """``/v1/models`` entries of the models a healthy replica serves: the first such
+        replica's own entry where it listed one, and as ``max_model_len`` the largest
+        context among them, the longest prompt the gateway can route to."""
+        listing = []
+        for model in self.healthy_models():
+            replicas = [r for r in self.replicas if r.healthy and model in r.models]
+            card = next((r.model_cards[model] for r in replicas if model in r.model_cards), None)
+            entry = dict(card) if card else {"id": model, "object": "model", "created": 0}
+            entry.setdefault("owned_by", "kneecap")
+            lengths = [r.max_model_len for r in replicas if r.max_model_len is not None]
+            if lengths:
+                entry["max_model_len"] = max(lengths)
+            listing.append(entry)
+        return listing
 
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.replicas)

@@ -41,6 +41,9 @@ class Replica:
     tokens_in_flight: int = 0
     discovered_max_model_len: int | None = None  # from /v1/models or /tokenize
     kv_capacity_tokens: int | None = None  # KV cache size the engine's /metrics reported
+    # The engine's own entries of its /v1/models, by model id: the gateway's listing
+    # passes them on (owner, creation time, root, context length) rather than inventing.
+    model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def max_model_len(self) -> int | None:
@@ -57,6 +60,7 @@ class Replica:
         cards = [c for c in data if isinstance(c, Mapping)]
         if not self.config.models:
             self.discovered_models = frozenset(c["id"] for c in cards)
+        self.model_cards = {c["id"]: dict(c) for c in cards if isinstance(c.get("id"), str)}
         lengths = [c["max_model_len"] for c in cards if isinstance(c.get("max_model_len"), int)]
         if lengths:
             self.discovered_max_model_len = min(lengths)

@@ -33,6 +33,10 @@ _ERROR_EVENT = re.compile(
     rb'(?:^|[\r\n])(?:event:[ ]?error[ \t]*(?:[\r\n]|$)|data:[ \t]*\{\s*"error"\s*:)'
 )
 _DONE = b"data: [DONE]"
+# How engines spell the first choice of a chunk (compact JSON, ``index`` first). An event
+# that does not is read as JSON for its choice's index: n > 1 and batches of prompts
+# interleave several sequences in one stream, and each has its own pace.
+_FIRST_SEQUENCE = b'"choices":[{"index":0,'
 
 _OUTPUT_KEYS = (b'"content"', b'"reasoning_content"', b'"reasoning"', b'"text"')
 _STRING_VALUE = re.compile(rb'\s*:\s*"(?!")')  # anchored right after an output key
@@ -160,6 +164,9 @@ class StreamMeter:
     upstream_error: bool = False
     client_error: bool = False  # the engine's error event blames the request (a 4xx code)
     done: bool = False
+    # Each sequence's last output time, once an event of a sequence other than the first
+    # (as engines spell it) showed; until then every output event was the first's.
+    last_by_sequence: dict[int | None, float] | None = None
     # Live feed of the backend's rolling window (None: not fed, e.g. in the bench).
     window: RollingWindow | None = None
     admitted: float = 0.0  # when the backend was chosen; its TTFT starts here
@@ -173,18 +180,26 @@ class StreamMeter:
         dropped: list[int] | None = None
         for position, event in enumerate(events):
             if self.finish_reason is None:
-                self.finish_reason = finish_reason_of(event)
-                if self.finish_reason is not None and b'"usage"' in event:
-                    # Usage riding on the last chunk with choices, not on one of its own
-                    # (continuous usage stats put it on every chunk): read here, once.
-                    self._read_usage(event)
+                reason = finish_reason_of(event)
+                # The first sequence's, as a whole answer's is read (its first choice).
+                if reason is not None and _of_first_sequence(event):
+                    self.finish_reason = reason
+                    if b'"usage"' in event:
+                        # Usage riding on the last chunk with choices, not on one of its
+                        # own (continuous usage stats put it on every chunk): read once.
+                        self._read_usage(event)
             if carries_output(event):
+                one_sequence = self.last_by_sequence is None and _FIRST_SEQUENCE in event
                 if self.first_output is None:
                     self.first_output = self.last_flush = now
                     if self.window is not None:
                         self.window.add_ttft(now, now - self.admitted)
-                else:
+                    if not one_sequence:
+                        self._sequence_output(event, now)
+                elif one_sequence:
                     self.gaps.append(now - self.last_output)  # type: ignore[operator]
+                else:
+                    self._sequence_output(event, now)
                 self.last_output = now
                 self.output_events += 1
             # The usage-only chunk has empty choices: it never carries output.
@@ -204,6 +219,19 @@ class StreamMeter:
         if dropped is None:
             return None
         return [event for position, event in enumerate(events) if position not in dropped]
+
+    def _sequence_output(self, event: bytes, now: float) -> None:
+        """An output event of a stream that may hold several sequences: its gap runs from
+        the same sequence's previous output event, not from another sequence's."""
+        last_by_sequence = self.last_by_sequence
+        if last_by_sequence is None:
+            first = self.last_output
+            last_by_sequence = self.last_by_sequence = {} if first is None else {0: first}
+        index = _choice_index(event)
+        last = last_by_sequence.get(index)
+        if last is not None:
+            self.gaps.append(now - last)
+        last_by_sequence[index] = now
 
     def flush(self, now: float) -> None:
         """Hand the gaps and output events seen since the last flush to the window."""
@@ -231,7 +259,8 @@ class StreamMeter:
 
     def token_gaps(self) -> list[float]:
         """Inter-token latencies: the gap before an event carrying k tokens, as k values of
-        gap/k, so they add up to the time from the first output event to the last.
+        gap/k, so they add up to the time from the first output event to the last (of
+        each sequence, when the stream holds several).
 
         Events are taken to carry the usage's tokens evenly; k is a whole number per
         event, spread so that the gaps hold ``floor(gaps * tokens per event)`` values.
@@ -248,6 +277,20 @@ class StreamMeter:
             tokens = (index + 1) * values // count - index * values // count
             spread += [gap / tokens] * tokens
         return spread
+
+
+def _choice_index(event: bytes) -> int | None:
+    """The index of the event's (first) choice; None when it has none to read."""
+    try:
+        choices = json.loads(_data_of(event)).get("choices")
+        index = choices[0].get("index")
+    except (ValueError, AttributeError, IndexError, KeyError, TypeError):
+        return None
+    return index if type(index) is int else None
+
+
+def _of_first_sequence(event: bytes) -> bool:
+    return _FIRST_SEQUENCE in event or _choice_index(event) in (0, None)
 
 
 def _data_of(event: bytes) -> bytes:

@@ -103,13 +103,13 @@ class GatewayMetrics:
         self.queue = _hist(
             r,
             "kneecap_request_queue_seconds",
-            "Receipt to admission on a backend (admitted only).",
+            "Time spent waiting for admission, summed over a retried request's attempts.",
             LATENCY_BUCKETS,
         )
         self.overhead = _hist(
             r,
             "kneecap_request_overhead_seconds",
-            "Receipt to the request written upstream, less the wait in the admission queue: "
+            "Receipt to the request written upstream, less queue waits and failed attempts: "
             "the gateway's own time (reading, routing, connecting) before the backend has it.",
             OVERHEAD_BUCKETS,
         )
@@ -124,7 +124,12 @@ class GatewayMetrics:
         )
         self.inflight = _gauge(r, "kneecap_inflight_requests", "Admitted, not finished.", *_BACKEND)
         self.limit = _gauge(r, "kneecap_concurrency_limit", "Current admission limit.", *_BACKEND)
-        self.backend_up = _gauge(r, "kneecap_backend_up", "1 while health checks pass.", *_BACKEND)
+        self.backend_up = _gauge(
+            r,
+            "kneecap_backend_up",
+            "1 while health checks pass; 0 while a backend a reload removed drains.",
+            *_BACKEND,
+        )
         self.queue_depth = _gauge(
             r, "kneecap_queue_depth", "Requests waiting for admission.", "pool", "priority"
         )
@@ -209,10 +214,14 @@ class GatewayMetrics:
     def set_engine_stats(
         self, backend: str, *, running: float, waiting: float, kv_cache_usage: float | None
     ) -> None:
-        """Engine figures; when the engine has no /metrics, pass the gateway's own counts."""
+        """Engine figures; when the engine has no fresh /metrics, pass the gateway's own
+        counts. The gateway has no stand-in for KV-cache usage: without a fresh figure
+        the series goes (Prometheus sees it absent) until the engine reports again."""
         self.engine_running.labels(backend).set(running)
         self.engine_waiting.labels(backend).set(waiting)
-        if kv_cache_usage is not None:
+        if kv_cache_usage is None:
+            _remove_if_present(self.engine_kv_usage, backend)
+        else:
             self.engine_kv_usage.labels(backend).set(kv_cache_usage)
 
     def set_output_tokens_per_second(self, backend: str, value: float) -> None:
@@ -261,6 +270,10 @@ class GatewayMetrics:
                 _remove_if_present(gauge, backend, pool)
         for metric in self._per_backend:
             _remove_if_present(metric, backend)
+
+    def backends(self) -> set[str]:
+        """Every backend that some series is labelled with."""
+        return {*self._backend_pool, *(k[0] for k in self._series), *(k[0] for k in self._status)}
 
     def _new_series(self, key: _SeriesKey) -> _Series:
         series = _Series(

@@ -2,9 +2,10 @@
 
 :func:`plan_route` runs once per request before admission: it estimates the
 prompt's tokens (``gateway.tokens``), refuses at once with 400
-``context_length_exceeded`` what no backend's context could hold, and plans
+``context_length_exceeded`` a prompt no backend's context could start, and plans
 the home pool and the pools it may borrow idle headroom from
-(``policies.long_context``). :func:`make_pick` is the ``pick()`` admission
+(``policies.long_context``), among the replicas whose context holds the requested
+output too when there are any. :func:`make_pick` is the ``pick()`` admission
 calls, each time capacity may have appeared: it turns live replicas into
 :class:`~policies.routing.Load` values, lets the pool's router choose, and
 returns a :class:`~policies.token_budget.Claim` (a permit plus the request's
@@ -29,10 +30,12 @@ from gateway.settings import Settings
 from gateway.tokens import Estimate, tokenize_on_backend
 from policies.admission import NoHealthyBackend
 from policies.long_context import (
+    FIRST_TOKEN,
     PoolPlan,
     choose_across_pools,
     exceeds_every_context,
     fits_context,
+    output_to_hold,
     plan_pools,
 )
 from policies.prompt_size import PromptShape, output_tokens, shape_of
@@ -48,7 +51,9 @@ class Route:
     plan: PoolPlan
     shape: PromptShape
     estimate: Estimate
-    context_tokens: int  # output tokens the context must hold besides the prompt
+    # Output tokens the context must hold besides the prompt: the requested output where
+    # a healthy replica holds it all, else one (the engine then decides about the rest).
+    context_tokens: int
     cost: int  # prompt + max output tokens: its share of a token budget
     session: str | None
     # The fewest tokens the longest sequence may have: what a context must hold.
@@ -59,7 +64,7 @@ class Route:
         return self.model in replica.models and replica.name not in tried and self.fits(replica)
 
     def fits(self, replica: Replica) -> bool:
-        """The replica's context can hold the prompt and the requested output."""
+        """The replica's context can hold the prompt and the output this route asks for."""
         return fits_context(
             replica.max_model_len, self.longest_prompt, self.context_tokens, self.estimate.exact
         )
@@ -129,7 +134,7 @@ async def _estimate(
 async def plan_route(
     runtime: Runtime, payload: Mapping[str, Any], headers: Mapping[str, str]
 ) -> Route:
-    """Estimate the prompt, refuse what fits no context, plan the pools."""
+    """Estimate the prompt, refuse what no context could start, plan the pools."""
     settings = runtime.current.settings
     routing = settings.routing
     runtime.routing.configure(routing)
@@ -146,18 +151,16 @@ async def plan_route(
         raise Unavailable(f"no healthy backend serves model `{model}`")
     estimate = await _estimate(runtime, payload, shape, serving)
     explicit = output_tokens(payload, 0)
-    context_tokens = max(1, explicit)
     # Each sequence of a batch (a list of prompts or inputs) has a context of its own.
     longest = math.ceil(estimate.fewest * shape.longest_share)
     lengths = [r.max_model_len for r in serving]
-    if exceeds_every_context(lengths, longest, context_tokens, estimate.exact):
-        largest = max(n for n in lengths if n is not None)
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {largest} tokens. However, you requested "
-            f"about {longest + context_tokens} tokens "
-            f"({longest} in the prompt, {context_tokens} in the completion).",
-            param=_prompt_param(payload),
-        )
+    # Only what no engine could start is refused here: prompt + max_tokens over the
+    # context is the engine's to judge (it stops the output there, or answers its own 400).
+    if exceeds_every_context(lengths, longest, FIRST_TOKEN, estimate.exact):
+        raise _prompt_too_long(payload, lengths, longest, estimate.exact)
+    context_tokens = output_to_hold(
+        (r.max_model_len for r in healthy), longest, max(FIRST_TOKEN, explicit), estimate.exact
+    )
     spill = routing.spill
     holding = {
         r.pool
@@ -190,6 +193,19 @@ def _pool_by_length(settings: Settings, serving: list[Replica], estimate: Estima
     """The pool a refused request would have gone to, for its rejection's label."""
     plan = plan_pools(settings.pools, {r.pool for r in serving}, estimate.tokens)
     return plan.home if plan is not None else serving[0].pool
+
+
+def _prompt_too_long(
+    payload: Mapping[str, Any], lengths: list[int | None], prompt_tokens: int, exact: bool
+) -> ContextLengthExceeded:
+    """The gateway's own refusal speaks of the prompt only: what it is refused for."""
+    largest = max(n for n in lengths if n is not None)
+    about = "" if exact else "about "
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {largest} tokens. However, you requested "
+        f"{about}{prompt_tokens} tokens in the prompt, which leaves no room for output.",
+        param=_prompt_param(payload),
+    )
 
 
 def _prompt_param(payload: Mapping[str, Any]) -> str:

@@ -144,14 +144,29 @@ def _upstream_fields(request: ProxyRequest, replica: Replica, forward_key: bool)
 
 
 _INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
+# The strings pydantic reads as a bool in lax mode (case-insensitive), as vLLM reads its
+# stream_options flags; any other string it refuses.
+_LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_LAX_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _engine_flag(value: object) -> bool | None:
+    """A stream_options flag as the engine reads it (null: off); None when the engine
+    cannot read it and will refuse the request."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int | float) and value in (0, 1):
+        return value == 1
+    if isinstance(value, str):
+        lowered = value.lower()
+        if lowered in _LAX_TRUE or lowered in _LAX_FALSE:
+            return lowered in _LAX_TRUE
+    return None
 
 
 def _prepare_stream(request: ProxyRequest) -> bool:
     """Ask the backend for usage; returns True when the client did not ask itself."""
     if request.endpoint == "/v1/embeddings":
-        return False
-    options = request.payload.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage") is True:
         return False
     body = request.body.rstrip()
     if "stream_options" not in request.payload and body.endswith(b"}"):
@@ -159,9 +174,19 @@ def _prepare_stream(request: ProxyRequest) -> bool:
         # rather than re-encode the whole (possibly long) prompt.
         request.body = body[:-1] + _INCLUDE_USAGE
         return True
-    merged = dict(options) if isinstance(options, dict) else {}
-    merged["include_usage"] = True
-    if merged.get("continuous_usage_stats"):
+    options = request.payload.get("stream_options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        return False  # forwarded as sent: the engine's 400 is the client's answer
+    include_usage = _engine_flag(options.get("include_usage"))
+    continuous = _engine_flag(options.get("continuous_usage_stats"))
+    if include_usage is None or continuous is None:
+        return False  # as above: rewritten, the engine would accept what it refuses
+    if include_usage:
+        return False  # the client asked: the usage chunk is its own
+    merged = dict(options, include_usage=True)
+    if continuous:
         # vLLM honours it only with include_usage, which the client did not ask for: as
         # asked, it would put usage on every chunk the client gets.
         merged["continuous_usage_stats"] = False
@@ -207,19 +232,24 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
     tried: set[str] = set()
     last_error: Exception | None = None
     last_replica: Replica | None = None
+    reached: Replica | None = None  # the last backend the request was written to
     max_attempts = settings.upstream.max_attempts
     for attempt in range(max_attempts):
         left = sum(len(candidates(runtime, p, route, tried)) for p in route.pools)
         if not left and not awaiting_probe(runtime, route, tried):
             break
-        if last_replica is not None:
-            runtime.recorder.retried(last_replica)
         try:
             lease = await _admit(runtime, flight, route, priority, deadline, tried)
         except _NoRoomToRetry:
             break  # the client hears of the failure it had, not of a queue it never chose
+        except asyncio.CancelledError:  # the client left while its retry waited
+            if reached is not None:  # a backend had it: it counts, though never answered
+                runtime.recorder.finished(flight, reached, "client_closed")
+            raise
         flight.admitted = time.perf_counter()
         flight.waited += lease.queue_wait
+        if last_replica is not None:  # counted once it goes out, not when it finds no room
+            runtime.recorder.retried(last_replica)
         replica = last_replica = lease.backend.backend
         tried.add(replica.name)
         last_attempt = attempt == max_attempts - 1 or left == 1
@@ -234,13 +264,16 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             )
         except httpx.HTTPError as exc:
             _release(runtime, flight, lease, Outcome.DROPPED)
+            flight.attempt_failed()
+            reached = replica if flight.sent else reached
             replica.record_failure(settings.health.failure_threshold)
             last_error = exc
             continue
         except asyncio.CancelledError:  # the client left before the answer's head
             try:
-                if flight.sent:  # the backend has it: it counts, though never answered
-                    runtime.recorder.finished(flight, replica, "client_closed")
+                reached = replica if flight.sent else reached
+                if reached is not None:  # a backend had it: it counts, though never answered
+                    runtime.recorder.finished(flight, reached, "client_closed")
             finally:
                 _release(runtime, flight, lease, Outcome.IGNORE)
             raise
@@ -251,6 +284,8 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             _release(runtime, flight, lease, Outcome.DROPPED)
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
+            flight.attempt_failed()
+            reached = replica
             replica.record_failure(settings.health.failure_threshold)
             last_error = UpstreamError(f"backend {replica.name} answered {upstream.status_code}")
             continue

@@ -37,11 +37,12 @@ REJECT_REASONS: tuple[RejectReason, ...] = get_args(RejectReason)
 class RequestRecord:
     """One admitted request, measured with a monotonic clock.
 
-    Times are seconds. ``queue_s`` runs from receipt until a backend was chosen
-    and the request admitted to it; ``upstream_s`` until its request was written to
-    that backend (queue wait and connecting included; ``None`` when the request was
-    never written), ``overhead_s`` the same less the time it waited in the admission
-    queue: the gateway's own share of the TTFT.
+    Times are seconds. ``queue_s`` is the time spent waiting for admission, summed
+    over a retried request's attempts; ``upstream_s`` runs from receipt until its
+    request was written to the backend that answered (queue wait, failed attempts and
+    connecting included; ``None`` when the request was never written), ``overhead_s``
+    the same less the queue waits and the failed attempts: the gateway's own share of
+    the TTFT.
     ``ttft_s`` runs from receipt to the first relayed SSE event carrying output; it
     is ``None`` for non-streaming requests
     (the whole body arrives at once, so their "first token" is their end-to-end
@@ -65,7 +66,7 @@ class RequestRecord:
     completion_tokens: int | None
     request_id: str = ""
     upstream_s: float | None = None  # receipt → the (last) upstream request written
-    overhead_s: float | None = None  # upstream_s less the time spent queued for a permit
+    overhead_s: float | None = None  # upstream_s less queue waits and failed attempts
 
     def summary(self) -> dict[str, object]:
         """What ``GET /admin/requests`` shows of it (ITL as count and mean, not every gap)."""

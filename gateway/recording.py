@@ -44,13 +44,25 @@ class Flight:
     stream: bool
     started: float  # receipt, perf_counter
     request_id: str = ""
-    admitted: float = 0.0  # admission to a backend, perf_counter
+    admitted: float = 0.0  # the (last) admission to a backend, perf_counter
     sent: float = 0.0  # the (last) upstream request written, perf_counter; 0: none was
     waited: float = 0.0  # seconds spent in admission queues, over all attempts
+    failed: float = 0.0  # seconds spent on failed attempts, each from its admission on
+    overhead: float = 0.0  # the gateway's own seconds before the (last) write
 
     def mark_sent(self, on_wire: bool = True) -> None:
         """The upstream request is on the wire now, or (False) its write was lost."""
-        self.sent = time.perf_counter() if on_wire else 0.0
+        if not on_wire:
+            self.sent = 0.0
+            return
+        self.sent = time.perf_counter()
+        # Taken now: were this attempt to fail, its time would not be the gateway's own.
+        self.overhead = max(0.0, self.sent - self.started - self.waited - self.failed)
+
+    def attempt_failed(self) -> None:
+        """The attempt admitted last has failed (its lease is back): its time, spent on a
+        backend that failed it, is neither queue wait nor the gateway's own."""
+        self.failed += time.perf_counter() - self.admitted
 
 
 class _Finished(NamedTuple):
@@ -130,9 +142,9 @@ class Recorder:
             status=status,
             stream=flight.stream,
             finish_reason=finish_reason,
-            queue_s=flight.admitted - flight.started,
+            queue_s=flight.waited,
             upstream_s=upstream_s,
-            overhead_s=None if upstream_s is None else max(0.0, upstream_s - flight.waited),
+            overhead_s=None if upstream_s is None else flight.overhead,
             ttft_s=ttft,
             itl_s=gaps,
             e2e_s=end - flight.started,

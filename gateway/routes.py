@@ -81,9 +81,8 @@ async def tokenize(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     require_client_key(request)
-    models = runtime_of(request).current.backends.healthy_models()
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "kneecap"} for m in models]
-    return JSONResponse({"object": "list", "data": data})
+    listing = runtime_of(request).current.backends.model_listing()
+    return JSONResponse({"object": "list", "data": listing})
 
 
 async def health(request: Request) -> Response:
@@ -136,7 +135,12 @@ async def admin_state(request: Request) -> Response:
     runtime.recorder.flush()
     now, mono = time.perf_counter(), time.monotonic()
     settings = runtime.current.settings
-    backends = [backend_view(r, now, mono, settings) for r in runtime.current.backends.replicas]
+    # A backend a reload removed stays listed, marked draining, until its last request ends.
+    listed = [(r, False) for r in runtime.current.backends.replicas]
+    listed += [(r, True) for r in runtime.draining()]
+    backends = [
+        {**backend_view(r, now, mono, settings), "draining": draining} for r, draining in listed
+    ]
     pools = {
         name: {"queue_depth": a.depth(), "leased": a.leased}
         for name, a in runtime.admissions.items()

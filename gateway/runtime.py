@@ -100,10 +100,14 @@ class Runtime:
     # Removed replicas still holding requests: a backend added back before they finish
     # gets its replica back, in-flight count included, so its limit still holds.
     retired: dict[str, Replica] = field(default_factory=dict)
+    # Removed backends that have drained. Their series are shown drained by one more
+    # exposition, their last requests counted, and go at the exposition after it.
+    _drained: dict[str, Replica | None] = field(default_factory=dict)
+    _shown_drained: dict[str, Replica | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._sync_admissions()
-        self._sync_metrics(None)
+        self._sync_metrics()
         self._sync_limits()
 
     def _sync_limits(self) -> None:
@@ -130,56 +134,85 @@ class Runtime:
     def metrics(self) -> GatewayMetrics:
         return self.recorder.metrics
 
-    def _sync_metrics(self, previous: BackendSet | None) -> None:
-        """Register series of new backends and pools; drop those of removed backends."""
+    def _sync_metrics(self) -> None:
+        """Register series of new backends and pools. A removed backend keeps its series
+        while it drains (see :meth:`_forget_drained`); one added back keeps the same."""
         for pool in self.current.settings.pools:
             self.metrics.register_pool(pool, [p.name.lower() for p in Priority])
-        kept = {r.name for r in self.current.backends.replicas}
-        for replica in previous.replicas if previous else ():
-            if replica.name not in kept:
-                self.metrics.remove_backend(replica.name)
         for replica in self.current.backends.replicas:
+            self._drained.pop(replica.name, None)
+            self._shown_drained.pop(replica.name, None)
             self.metrics.register_backend(replica.name, replica.pool)
             replica.window.span_s = self.current.settings.measurement.window_s
 
     def _forget_drained(self) -> None:
-        """Retired replicas whose last request ended leave, with the series those requests
-        recreated after the reload dropped them."""
+        """Retired replicas whose last request ended leave; a backend no longer configured
+        is shown drained by the next exposition, then its series go."""
         for name, replica in list(self.retired.items()):
             if replica.in_flight == 0:
                 del self.retired[name]
                 if self.current.backends.get(name) is None:
-                    self.metrics.remove_backend(name)
+                    self._drained[name] = replica
+
+    def draining(self) -> list[Replica]:
+        """Removed replicas still holding requests, however few."""
+        return [r for r in self.retired.values() if r.in_flight > 0]
 
     def refresh_gauges(self) -> None:
         """Live state → gauges; run before each exposition, so requests pay nothing."""
         self.recorder.flush()
-        self._forget_drained()
+        self._expire_drained()
         self._drop_removed_pools()  # a removed pool whose last request ended goes
-        now = time.perf_counter()
-        mono = time.monotonic()
+        now, mono = time.perf_counter(), time.monotonic()
         staleness = self.current.settings.measurement.scrape_staleness_s
-        for replica in self.current.backends.replicas:
+        for name, replicas in self._replicas_by_name().items():
+            live = self.current.backends.get(name)
+            in_flight = sum(r.in_flight for r in replicas)
+            # Removed, it drains: in flight counts down, no new request goes to it.
             self.metrics.set_backend_state(
-                replica.name, up=replica.healthy, inflight=replica.in_flight, limit=replica.limit
+                name,
+                up=live is not None and live.healthy,
+                inflight=in_flight,
+                limit=(live or replicas[0]).limit,
             )
-            engine = replica.fresh_engine(mono, staleness)
+            engine = live.fresh_engine(mono, staleness) if live is not None else None
+            kv_usage = engine.kv_usage if engine is not None else None
             if engine is not None and engine.running is not None:
-                self.metrics.set_engine_stats(
-                    replica.name,
-                    running=engine.running,
-                    waiting=engine.waiting or 0.0,
-                    kv_cache_usage=engine.kv_usage,
-                )
+                running, waiting = engine.running, engine.waiting or 0.0
             else:  # no engine figures: the gateway's own count stands in
-                self.metrics.set_engine_stats(
-                    replica.name, running=replica.in_flight, waiting=0, kv_cache_usage=None
-                )
-            tokens_per_s = replica.window.stats(now).output_tokens_per_s
-            self.metrics.set_output_tokens_per_second(replica.name, tokens_per_s)
+                running, waiting = in_flight, 0.0
+            self.metrics.set_engine_stats(
+                name, running=running, waiting=waiting, kv_cache_usage=kv_usage
+            )
+            tokens_per_s = sum(r.window.stats(now).output_tokens_per_s for r in replicas)
+            self.metrics.set_output_tokens_per_second(name, tokens_per_s)
         for pool, admission in self.admissions.items():
             for priority in Priority:
                 self.metrics.set_queue_depth(pool, priority.name.lower(), admission.depth(priority))
+
+    def _expire_drained(self) -> None:
+        """Series the last exposition showed drained go; those drained since are shown now."""
+        for name in self._shown_drained:
+            if self.current.backends.get(name) is None and name not in self.retired:
+                self.metrics.remove_backend(name)
+        self._forget_drained()
+        self._shown_drained, self._drained = self._drained, {}
+        owned = {r.name for r in (*self.current.backends.replicas, *self.retired.values())}
+        for name in self.metrics.backends() - owned - self._shown_drained.keys():
+            # Counted after its replica drained (a request that failed over from it and
+            # then failed everywhere): shown once, then gone like the others.
+            self._shown_drained[name] = None
+
+    def _replicas_by_name(self) -> dict[str, list[Replica]]:
+        """The replicas behind each backend's series: its live one, and one still draining
+        when a reload re-addressed it (both count in its in-flight gauge)."""
+        group = {r.name: [r] for r in self.current.backends.replicas}
+        for replica in self.retired.values():
+            group.setdefault(replica.name, []).append(replica)
+        for name, drained in self._shown_drained.items():
+            if drained is not None:
+                group.setdefault(name, []).append(drained)
+        return group  # a name with request series only has no gauge left to set
 
     def admission(self, pool: str) -> PoolAdmission:
         return self.admissions[pool]
@@ -230,7 +263,7 @@ class Runtime:
         live = set(map(id, self.current.backends.replicas))
         self.retired = {r.name: r for r in known.replicas if id(r) not in live}
         self._sync_admissions()
-        self._sync_metrics(previous)
+        self._sync_metrics()
         self._forget_drained()
         self._sync_limits()
         self.notify()

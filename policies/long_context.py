@@ -1,5 +1,10 @@
 """Which pool a prompt belongs to, which pools may lend it headroom, and what never fits.
 
+What never fits is a prompt that leaves no context room for one output token: an engine
+starts anything else. The requested output (``max_tokens``) only steers: replicas whose
+context holds it all are preferred (:func:`output_to_hold`); when none does, the engine
+decides (it stops the output at its context, or refuses in its own words).
+
 Pools hold prompt-length ranges ``[min_prompt_tokens, max_prompt_tokens)``.
 A request's *home* is the first pool (in config order) whose range holds its
 estimated prompt tokens, among the pools that can serve it (a healthy backend
@@ -18,7 +23,7 @@ is idle is decided at admission time (:func:`lender_fits`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.settings import PoolConfig
@@ -27,6 +32,11 @@ from policies.routing import Load, Router, RouteRequest
 # An estimate from characters may be off by this much: only a prompt this much
 # over every context length is refused without asking a backend.
 APPROXIMATE_MARGIN = 0.1
+
+# All an engine needs beyond the prompt to start a request: room for one output token.
+# vLLM (0.32) and SGLang then stop the output at the context (finish_reason "length");
+# an older vLLM refuses prompt + max_tokens over it with its own 400, naming max_tokens.
+FIRST_TOKEN = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +105,8 @@ def fits_context(
 def exceeds_every_context(
     context_lengths: Sequence[int | None], prompt_tokens: int, output_tokens: int, exact: bool
 ) -> bool:
-    """True when no backend could hold the request (all lengths known and too small).
+    """True when no backend could hold the prompt and ``output_tokens`` (all lengths
+    known and too small); the gateway refuses on :data:`FIRST_TOKEN`, what no engine starts.
 
     An estimate from characters must exceed by :data:`APPROXIMATE_MARGIN` to be
     refused: when in doubt, the backend decides.
@@ -105,6 +116,20 @@ def exceeds_every_context(
     return not any(
         fits_context(length, prompt_tokens, output_tokens, exact) for length in context_lengths
     )
+
+
+def output_to_hold(
+    context_lengths: Iterable[int | None], prompt_tokens: int, requested_output: int, exact: bool
+) -> int:
+    """The output tokens a replica's context must hold besides the prompt.
+
+    The requested output when some context holds prompt and output: those replicas are
+    preferred, the output is never cut short where it need not be. Else
+    :data:`FIRST_TOKEN`: any replica that can start the request may take it.
+    """
+    if any(fits_context(n, prompt_tokens, requested_output, exact) for n in context_lengths):
+        return requested_output
+    return FIRST_TOKEN
 
 
 def lender_fits(load: Load, cost: int, max_load: float) -> bool:

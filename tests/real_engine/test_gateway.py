@@ -193,17 +193,32 @@ def test_engine_400_raises_bad_request_in_the_openai_client(
     assert "temperature" in caught.value.message
 
 
-def test_over_the_engines_context_is_refused_by_the_gateway(
+def test_a_prompt_over_the_engines_context_is_refused_by_the_gateway(
     gateway: Gateway, real_vllm: RealVllm
 ) -> None:
     # The gateway learnt the engine's --max-model-len from its /v1/models.
-    body = {"model": real_vllm.model, "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN + 1}
-    response = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=SLOW)
+    long_prompt = "knee " * (2 * MAX_MODEL_LEN)
+    body = {"model": real_vllm.model, "prompt": long_prompt, "max_tokens": 1}
+    response = httpx.post(gateway.url + "/v1/completions", json=body, timeout=SLOW)
     assert response.status_code == 400
     assert "x-kneecap-backend" not in response.headers  # the engine never saw it
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
+    assert error["param"] == "prompt"
     assert str(MAX_MODEL_LEN) in error["message"]
+
+
+def test_max_tokens_over_the_context_is_the_engines_to_judge(
+    gateway: Gateway, real_vllm: RealVllm
+) -> None:
+    """A short prompt with more output than the context holds: engines differ (this one
+    refuses max_tokens above max_model_len, naming max_tokens; vLLM clamps a sum that is
+    over it), so the gateway forwards it and relays the engine's answer byte for byte."""
+    body = {"model": real_vllm.model, "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN + 1}
+    direct = httpx.post(real_vllm.base_url + "/chat/completions", json=body, timeout=SLOW)
+    response = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=SLOW)
+    assert response.headers.get("x-kneecap-backend") == BACKEND
+    assert (response.status_code, response.content) == (direct.status_code, direct.content)
 
 
 def test_gateway_scrapes_the_engines_own_gauges(gateway: Gateway, real_vllm: RealVllm) -> None:
