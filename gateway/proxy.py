@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import httpx
 
+from backends.lax_bool import lax_bool
 from backends.replica import Replica
 from gateway.errors import (
     GatewayError,
@@ -144,24 +145,6 @@ def _upstream_fields(request: ProxyRequest, replica: Replica, forward_key: bool)
 
 
 _INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
-# The strings pydantic reads as a bool in lax mode (case-insensitive), as vLLM reads its
-# stream_options flags; any other string it refuses.
-_LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_LAX_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
-def _engine_flag(value: object) -> bool | None:
-    """A stream_options flag as the engine reads it (null: off); None when the engine
-    cannot read it and will refuse the request."""
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, int | float) and value in (0, 1):
-        return value == 1
-    if isinstance(value, str):
-        lowered = value.lower()
-        if lowered in _LAX_TRUE or lowered in _LAX_FALSE:
-            return lowered in _LAX_TRUE
-    return None
 
 
 def _prepare_stream(request: ProxyRequest) -> bool:
@@ -179,8 +162,8 @@ def _prepare_stream(request: ProxyRequest) -> bool:
         options = {}
     if not isinstance(options, dict):
         return False  # forwarded as sent: the engine's 400 is the client's answer
-    include_usage = _engine_flag(options.get("include_usage"))
-    continuous = _engine_flag(options.get("continuous_usage_stats"))
+    include_usage = lax_bool(options.get("include_usage"))
+    continuous = lax_bool(options.get("continuous_usage_stats"))
     if include_usage is None or continuous is None:
         return False  # as above: rewritten, the engine would accept what it refuses
     if include_usage:
@@ -314,7 +297,8 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
 
 
 class _NoRoomToRetry(Exception):
-    """A retry found no capacity before the request's queue deadline."""
+    """A retry found no capacity before the request's queue deadline, no healthy backend,
+    or the gateway shutting down: the client hears of the failure it had."""
 
 
 async def _admit(
@@ -332,16 +316,20 @@ async def _admit(
         return await runtime.admission(pool).acquire(
             pick, priority=priority, deadline=deadline, could_use=could_use
         )
-    except (QueueFull, QueueTimeout) as exc:
+    except (QueueFull, QueueTimeout, NoHealthyBackend, ShuttingDown) as exc:
         if tried:  # a retry: the request was admitted once, it is no shed
             raise _NoRoomToRetry from exc
-        raise _refusal(runtime, pool, exc) from exc
-    except NoHealthyBackend as exc:
+        if isinstance(exc, QueueFull | QueueTimeout):
+            raise _refusal(runtime, pool, exc) from exc
+        raise _unavailable(runtime, pool, exc) from exc
+
+
+def _unavailable(runtime: Runtime, pool: str, exc: NoHealthyBackend | ShuttingDown) -> GatewayError:
+    if isinstance(exc, NoHealthyBackend):
         runtime.recorder.rejected(pool, "no_backend")
-        raise Unavailable(str(exc)) from exc
-    except ShuttingDown as exc:
-        runtime.recorder.rejected(pool, "shutting_down")
-        raise Unavailable("the gateway is shutting down", code="shutting_down") from exc
+        return Unavailable(str(exc))
+    runtime.recorder.rejected(pool, "shutting_down")
+    return Unavailable("the gateway is shutting down", code="shutting_down")
 
 
 def _refusal(runtime: Runtime, pool: str, exc: QueueFull | QueueTimeout) -> GatewayError:

@@ -179,6 +179,22 @@ def test_the_simulator_reads_output_bounds_as_vllm_does_and_refuses_n(gateway: G
     assert several.status_code == 400 and error_of(several)["param"] == "n"
 
 
+def test_the_simulator_reads_include_usage_as_vllm_does(sims: list[Proc]) -> None:
+    # It read only a JSON true: "true" and 1, which vLLM reads as true, got no usage
+    # chunk, and options vLLM refuses were served.
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
+    for flag in ("true", 1, "YES"):
+        body = {**chat, "max_tokens": 2, "stream_options": {"include_usage": flag}}
+        response = httpx.post(sims[0].url + "/v1/chat/completions", json=body, timeout=10)
+        assert response.status_code == 200
+        assert '"completion_tokens":2' in response.text, flag
+    for options in ("yes", {"include_usage": "maybe"}, [1]):
+        body = {**chat, "max_tokens": 2, "stream_options": options}
+        response = httpx.post(sims[0].url + "/v1/chat/completions", json=body, timeout=10)
+        assert response.status_code == 400, options
+        assert error_of(response)["param"] == "stream_options"
+
+
 def test_the_simulators_tokenize_takes_the_served_model_when_none_is_named(
     sims: list[Proc],
 ) -> None:

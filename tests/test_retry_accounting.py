@@ -9,8 +9,10 @@ succeed, a simulator, which ignores the script.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +201,49 @@ def test_a_retry_that_goes_out_is_counted(pair: Gateway, raws: dict[str, Proc]) 
     assert answer.status_code == 500  # the last attempt's own answer
     assert retries(pair) == before + 1
     wait_until(lambda: idle(pair), timeout=10)
+
+
+def test_a_retry_whose_backend_goes_down_while_it_waits_ends_with_its_failure(
+    tmp_path: Path,
+) -> None:
+    """The retry waits for the held backend, which then dies (its stream cut, one failure
+    makes it unhealthy): no backend is left. The client hears of the 500 it had, and the
+    request is counted on the backend it reached, not refused as no_backend (before:
+    503 no_backend, a rejection, and no count in kneecap_requests_total)."""
+    procs = {"a": start_raw_sse(tmp_path), "b": start_raw_sse(tmp_path)}
+    config = {
+        "backends": [raw_entry(name, proc) for name, proc in procs.items()],
+        "pools": {"short": {"max_queue_wait_s": 30}},
+        "health": {"interval_s": 30, "failure_threshold": 1},
+        "routing": {"policy": "least_loaded"},
+    }
+    gateway = start_gateway(tmp_path, config)
+    try:
+        held = Held(gateway, procs)
+        reached = next(name for name in procs if name != held.backend)
+        request_id = new_id("down")
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(
+                httpx.post,
+                gateway.url + CHAT,
+                content=failing_body(),
+                headers={"content-type": "application/json", "x-request-id": request_id},
+                timeout=20,
+            )
+            wait_until(lambda: gateway.state()["pools"]["short"]["queue_depth"] == 1, timeout=10)
+            procs[held.backend].stop()  # the held stream is cut: its backend fails
+            response = answer.result()
+        assert response.status_code == 502, response.text
+        record = record_of(gateway, request_id)
+        assert (record["status"], record["backend"]) == ("upstream_error", reached)
+        rejected = metric_sum(gateway.url, "kneecap_rejected_requests_total", reason="no_backend")
+        assert rejected == 0
+        with contextlib.suppress(httpx.HTTPError):
+            held.response.close()
+    finally:
+        gateway.proc.stop()
+        for proc in procs.values():
+            proc.stop()
 
 
 # --- the time of a failed attempt ---------------------------------------------------

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from backends.lax_bool import lax_bool
 from backends.sim import wire
 from backends.sim.arrival import arrival_of
 from backends.sim.base import AsyncEngine, GenerationRequest, TokenIterator
@@ -110,6 +111,15 @@ class _Completions:
             # One sequence per request is all the cost model knows: say so, never answer
             # with one choice where n were asked.
             return _error("n > 1 is not supported by the simulator", 400, param="n")
+        options = payload.get("stream_options")
+        options = {} if options is None else options
+        # Read as vLLM reads it (pydantic, lax): 1 and "true" ask too; a value it
+        # cannot read is a bad request.
+        include_usage = (
+            lax_bool(options.get("include_usage")) if isinstance(options, dict) else None
+        )
+        if include_usage is None:
+            return _error("stream_options: invalid", 400, param="stream_options")
         max_model_len = self._engine.max_model_len
         if prompt_tokens + max_tokens > max_model_len:
             requested = prompt_tokens + max_tokens
@@ -132,14 +142,13 @@ class _Completions:
             tokens = self._engine.generate(gen, arrival)
         except ValueError as exc:  # can never fit this engine's KV cache
             return _error(str(exc), 400)
-        options = payload.get("stream_options") or {}
         return _Generation(
             tokens,
             gen,
             ident,
             chat,
             stream=bool(payload.get("stream")),
-            include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+            include_usage=include_usage,
         )
 
     async def _stream(self, run: _Generation, receive: Receive, send: Send) -> None:
