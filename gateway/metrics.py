@@ -247,8 +247,13 @@ class GatewayMetrics:
             _remove_if_present(self.rejected, pool, reason)
 
     def register_backend(self, backend: str, pool: str) -> None:
-        if self._backend_pool.get(backend, pool) != pool:
-            self.remove_backend(backend)  # moved to another pool: drop the old label sets
+        old_pool = self._backend_pool.get(backend, pool)
+        if old_pool != pool:
+            # Moved: its gauges carry its pool and move with it. Its request series carry
+            # the pool each request was routed to, which the move does not change: they
+            # stay, and the requests still in flight there are counted in them.
+            for gauge in (self.backend_up, self.inflight, self.limit):
+                _remove_if_present(gauge, backend, old_pool)
         self._backend_pool[backend] = pool
         self.backend_up.labels(backend, pool).set(0)
         self.inflight.labels(backend, pool).set(0)

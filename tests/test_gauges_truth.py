@@ -235,3 +235,44 @@ def test_a_backend_removed_and_added_back_while_draining_keeps_one_series_set(
         thread.join(1)
         gw.proc.stop()
         raw.stop()
+
+
+def test_a_backend_moved_to_another_pool_keeps_counting_its_requests(tmp_path: Path) -> None:
+    # A move dropped every series of the backend at once: the requests it served before
+    # were lost from its counters, and one still in flight started them again from zero.
+    raw = start_raw_sse(tmp_path)
+    pools = {"short": {"max_prompt_tokens": 4096}, "long": {"min_prompt_tokens": 4096}}
+    config = {
+        "backends": [raw_backend("b", raw.url, "gone")],
+        "pools": pools,
+        "health": {"interval_s": 5},
+    }
+    gw = start_gateway(tmp_path, config)
+    done: list[int] = []
+
+    def stream_one() -> None:
+        url = gw.url + "/v1/chat/completions"
+        with httpx.stream("POST", url, json=held_stream(), timeout=30) as r:
+            r.read()
+            done.append(r.status_code)
+
+    thread = threading.Thread(target=stream_one)
+    try:
+        assert httpx.post(gw.url + "/v1/chat/completions", json=plain_answer(), timeout=10)
+        thread.start()
+        wait_until(lambda: gw.state()["pools"]["short"]["leased"] == 1)
+        moved = {**config["backends"][0], "pool": "long"}
+        gw.write_config({**config, "backends": [moved]})
+        assert httpx.post(gw.url + "/admin/reload", timeout=5).json()["ok"] is True
+        assert samples(gw.url, "kneecap_inflight_requests") == {'{backend="b",pool="long"}': 1.0}
+        assert value(gw.url, "kneecap_requests_total", backend="b", pool="short") == 1
+        assert httpx.get(raw.url + "/poke", timeout=10).status_code == 200
+        thread.join(30)
+        assert done == [200]
+        # Routed to the short pool, it is counted there, after the one served before.
+        wait_until(lambda: value(gw.url, "kneecap_requests_total", backend="b", pool="short") == 2)
+        assert value(gw.url, "kneecap_prompt_tokens_total", backend="b", pool="short") == 6
+    finally:
+        thread.join(1)
+        gw.proc.stop()
+        raw.stop()
