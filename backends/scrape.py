@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import anyio
 import httpx
@@ -116,11 +116,13 @@ async def scrape_one(client: httpx.AsyncClient, replica: Replica, timeout_s: flo
 async def scrape_loop(
     client: httpx.AsyncClient,
     current: Callable[[], tuple[BackendSet, float]],
+    pause: Callable[[], Awaitable[None]],
 ) -> None:
-    """Every ``interval`` seconds (read from the live config), scrape all replicas."""
+    """Scrapes all replicas, then ``pause()``s until the next round: the live interval,
+    ended early when a reload shortened it (``gateway.app.Pacer``)."""
     while True:
         backends, interval = current()
         async with anyio.create_task_group() as group:
             for replica in backends.replicas:
                 group.start_soon(scrape_one, client, replica, interval)
-        await anyio.sleep(interval)
+        await pause()

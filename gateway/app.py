@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
 from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
@@ -54,12 +54,19 @@ def build_transport(settings: Settings) -> UpstreamTransport:
     return UpstreamTransport(max_connections=settings.upstream.max_connections)
 
 
+def own_connections(settings: Settings) -> int:
+    """The bound of the pool for the gateway's own calls: each round of health probes and
+    each of engine scrapes calls every backend once, so two per backend at most."""
+    return 2 * max(1, len(settings.backends))
+
+
 def build_client(
     settings: Settings, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
-    """The client for the gateway's own calls (health probes, /metrics scrapes).
+    """A client for calls the gateway makes through the client layer: health probes and
+    /metrics scrapes (on a transport of their own), ``/tokenize`` (on the traffic's).
 
-    Shared by everything, so it must never store a backend's ``Set-Cookie`` and
+    Shared by many callers, so it must never store a backend's ``Set-Cookie`` and
     replay it: its cookie policy accepts none. Proxied requests skip the client
     layer and go straight to the transport.
     """
@@ -103,8 +110,14 @@ def create_app(
 ) -> Front:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Runtime]]:
+        # Two pools. The traffic's is bounded by ``upstream.max_connections`` and also
+        # carries /tokenize, which requests cause (and which may fall back to an estimate):
+        # the more requests, the more of it. Probes and scrapes get their own, so a pool
+        # full of streams can never make a busy, healthy backend look dead.
         transport = build_transport(settings)
         client = build_client(settings, transport)
+        own_transport = UpstreamTransport(max_connections=own_connections(settings))
+        own_client = build_client(settings, own_transport)
         urls = dict(sim_urls or {})
         registry = CollectorRegistry()
         runtime = Runtime(
@@ -131,15 +144,27 @@ def create_app(
 
         if drain is not None:
             drain.on_stop(close_admissions)
-        prober = HealthProber(client, health_view, runtime.notify)
-        runtime.on_reload = prober.probe_soon
+        prober = HealthProber(own_client, health_view, runtime.notify)
+        scrape_pacer = Pacer(lambda: runtime.current.settings.measurement.scrape_interval_s)
+        control_pacer = Pacer(lambda: runtime.current.settings.admission.control_interval_s)
+
+        def on_reload() -> None:
+            live = runtime.current.settings
+            transport.resize(live.upstream.max_connections)
+            own_transport.resize(own_connections(live))
+            prober.probe_soon()  # new replicas are probed now, not a full interval later
+            scrape_pacer.wake()  # a changed interval applies now, not after the old one
+            control_pacer.wake()
+
+        runtime.on_reload = on_reload
         # One probe round before serving, so /ready and routing start informed.
-        await probe_all(client, runtime.current.backends, settings.health, runtime.notify)
+        await probe_all(own_client, runtime.current.backends, settings.health, runtime.notify)
         async with anyio.create_task_group() as group:
-            scrape = partial(scrape_loop, client, scrape_view)
+            scrape = partial(scrape_loop, own_client, scrape_view, scrape_pacer.sleep)
+            control = partial(control_loop, runtime, control_pacer)
             group.start_soon(keep_running, "health prober", prober.run)
             group.start_soon(keep_running, "engine scraper", scrape)
-            group.start_soon(keep_running, "limit control", partial(control_loop, runtime))
+            group.start_soon(keep_running, "limit control", control)
             if runtime.config_path:
                 watch = partial(watch_config_file, runtime)
                 group.start_soon(keep_running, "config watcher", watch)
@@ -151,6 +176,7 @@ def create_app(
                 group.cancel_scope.cancel()
                 with anyio.CancelScope(shield=True):
                     await client.aclose()
+                    await own_client.aclose()
                 runtime.recorder.flush()
 
     return Front(
@@ -163,9 +189,32 @@ def create_app(
     )
 
 
-async def control_loop(runtime: Runtime) -> None:
+class Pacer:
+    """A background loop's pause: its interval, read from the live config. A reload wakes
+    it (:meth:`wake`), so a changed interval counts at once from when the pause began,
+    instead of after the old interval has run out."""
+
+    def __init__(self, interval_s: Callable[[], float]) -> None:
+        self._interval_s = interval_s
+        self._wake = anyio.Event()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def sleep(self) -> None:
+        start = anyio.current_time()
+        while True:
+            self._wake = anyio.Event()  # the interval is read after: no wake is lost
+            left = start + self._interval_s() - anyio.current_time()
+            if left <= 0:
+                return
+            with anyio.move_on_after(left):
+                await self._wake.wait()
+
+
+async def control_loop(runtime: Runtime, pacer: Pacer) -> None:
     while True:
-        await anyio.sleep(runtime.current.settings.admission.control_interval_s)
+        await pacer.sleep()
         runtime.control_tick()
 
 

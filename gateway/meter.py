@@ -33,9 +33,9 @@ _ERROR_EVENT = re.compile(
     rb'(?:^|[\r\n])(?:event:[ ]?error[ \t]*(?:[\r\n]|$)|data:[ \t]*\{\s*"error"\s*:)'
 )
 _DONE = b"data: [DONE]"
-# How engines spell the first choice of a chunk (compact JSON, ``index`` first). An event
-# that does not is read as JSON for its choice's index: n > 1 and batches of prompts
-# interleave several sequences in one stream, and each has its own pace.
+# How engines spell the first choice of a chunk (compact JSON, ``index`` first). In a
+# stream of several sequences (n > 1, a batch of prompts), whose chunks interleave, an
+# event spelled otherwise is read as JSON for its choice's index.
 _FIRST_SEQUENCE = b'"choices":[{"index":0,'
 
 _OUTPUT_KEYS = (b'"content"', b'"reasoning_content"', b'"reasoning"', b'"text"')
@@ -164,8 +164,9 @@ class StreamMeter:
     upstream_error: bool = False
     client_error: bool = False  # the engine's error event blames the request (a 4xx code)
     done: bool = False
-    # Each sequence's last output time, once an event of a sequence other than the first
-    # (as engines spell it) showed; until then every output event was the first's.
+    # The request may stream several sequences (n > 1, a list of prompts): each output
+    # event's gap then runs from its own sequence's last output time.
+    several_sequences: bool = False
     last_by_sequence: dict[int | None, float] | None = None
     # Live feed of the backend's rolling window (None: not fed, e.g. in the bench).
     window: RollingWindow | None = None
@@ -182,21 +183,20 @@ class StreamMeter:
             if self.finish_reason is None:
                 reason = finish_reason_of(event)
                 # The first sequence's, as a whole answer's is read (its first choice).
-                if reason is not None and _of_first_sequence(event):
+                if reason is not None and (not self.several_sequences or _of_first_sequence(event)):
                     self.finish_reason = reason
                     if b'"usage"' in event:
                         # Usage riding on the last chunk with choices, not on one of its
                         # own (continuous usage stats put it on every chunk): read once.
                         self._read_usage(event)
             if carries_output(event):
-                one_sequence = self.last_by_sequence is None and _FIRST_SEQUENCE in event
                 if self.first_output is None:
                     self.first_output = self.last_flush = now
                     if self.window is not None:
                         self.window.add_ttft(now, now - self.admitted)
-                    if not one_sequence:
+                    if self.several_sequences:
                         self._sequence_output(event, now)
-                elif one_sequence:
+                elif not self.several_sequences:
                     self.gaps.append(now - self.last_output)  # type: ignore[operator]
                 else:
                     self._sequence_output(event, now)
@@ -223,15 +223,14 @@ class StreamMeter:
     def _sequence_output(self, event: bytes, now: float) -> None:
         """An output event of a stream that may hold several sequences: its gap runs from
         the same sequence's previous output event, not from another sequence's."""
-        last_by_sequence = self.last_by_sequence
-        if last_by_sequence is None:
-            first = self.last_output
-            last_by_sequence = self.last_by_sequence = {} if first is None else {0: first}
-        index = _choice_index(event)
-        last = last_by_sequence.get(index)
+        seen = self.last_by_sequence
+        if seen is None:
+            seen = self.last_by_sequence = {}
+        index = 0 if _FIRST_SEQUENCE in event else _choice_index(event)
+        last = seen.get(index)
         if last is not None:
             self.gaps.append(now - last)
-        last_by_sequence[index] = now
+        seen[index] = now
 
     def flush(self, now: float) -> None:
         """Hand the gaps and output events seen since the last flush to the window."""

@@ -170,6 +170,7 @@ class GatewayMetrics:
         self._series: dict[_SeriesKey, _Series] = {}
         self._status: dict[tuple[str, str, str, str], Counter] = {}
         self._backend_pool: dict[str, str] = {}
+        self._retries: dict[str, Counter] = {}
 
     # -- request path: once per request ---------------------------------------
 
@@ -198,7 +199,10 @@ class GatewayMetrics:
         self.rejected.labels(pool, reason).inc()
 
     def observe_retry(self, backend: str) -> None:
-        self.retries.labels(backend).inc()
+        retries = self._retries.get(backend)
+        if retries is None:
+            retries = self._retries[backend] = self.retries.labels(backend)
+        retries.inc()
 
     def observe_config_reload(self, ok: bool) -> None:
         self.config_reloads.labels("ok" if ok else "error").inc()
@@ -257,7 +261,7 @@ class GatewayMetrics:
         self._backend_pool[backend] = pool
         self.backend_up.labels(backend, pool).set(0)
         self.inflight.labels(backend, pool).set(0)
-        self.retries.labels(backend)
+        self._retries.setdefault(backend, self.retries.labels(backend))
 
     def remove_backend(self, backend: str) -> None:
         """Drop every label set of a backend that left the configuration."""
@@ -273,12 +277,34 @@ class GatewayMetrics:
         if pool is not None:
             for gauge in (self.backend_up, self.inflight, self.limit):
                 _remove_if_present(gauge, backend, pool)
+        self._retries.pop(backend, None)
         for metric in self._per_backend:
             _remove_if_present(metric, backend)
 
     def backends(self) -> set[str]:
-        """Every backend that some series is labelled with."""
-        return {*self._backend_pool, *(k[0] for k in self._series), *(k[0] for k in self._status)}
+        """Every backend that some series is labelled with. The engine gauges and tokens/s
+        are set at scrape time for known backends only, so they add none."""
+        return {
+            *self._backend_pool,
+            *(k[0] for k in self._series),
+            *(k[0] for k in self._status),
+            *self._retries,
+        }
+
+    def counted(self, backends: Iterable[str]) -> dict[str, float]:
+        """Requests and retries counted so far on each of ``backends``. Read at scrape time
+        for backends that drained, so requests pay nothing for it; it only grows, so a
+        change means something was counted in between."""
+        tally = dict.fromkeys(backends, 0.0)
+        if not tally:
+            return tally
+        for metric in (self.requests, self.retries):
+            for family in metric.collect():
+                for sample in family.samples:
+                    backend = sample.labels["backend"]
+                    if backend in tally and sample.name.endswith("_total"):
+                        tally[backend] += sample.value
+        return tally
 
     def _new_series(self, key: _SeriesKey) -> _Series:
         series = _Series(

@@ -147,8 +147,21 @@ def _upstream_fields(request: ProxyRequest, replica: Replica, forward_key: bool)
 _INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
 
 
+def _several_sequences(payload: Mapping[str, Any]) -> bool:
+    """Whether the stream may interleave several sequences: ``n`` > 1, or a list of
+    prompts (a list of token ids is one prompt)."""
+    n = payload.get("n")
+    if isinstance(n, int) and n > 1:
+        return True
+    prompt = payload.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+
+
 def _prepare_stream(request: ProxyRequest) -> bool:
-    """Ask the backend for usage; returns True when the client did not ask itself."""
+    """Ask the backend for usage; returns True when the client did not ask itself.
+
+    An object that leaves ``include_usage`` out does not ask: vLLM (0.32), SGLang and
+    OpenAI all default it to false."""
     if request.endpoint == "/v1/embeddings":
         return False
     body = request.body.rstrip()
@@ -170,8 +183,8 @@ def _prepare_stream(request: ProxyRequest) -> bool:
         return False  # the client asked: the usage chunk is its own
     merged = dict(options, include_usage=True)
     if continuous:
-        # vLLM honours it only with include_usage, which the client did not ask for: as
-        # asked, it would put usage on every chunk the client gets.
+        # Honoured only with include_usage, which the client did not ask for: as asked,
+        # it would put usage on every chunk the client gets.
         merged["continuous_usage_stats"] = False
     payload = dict(request.payload, stream_options=merged)
     try:
@@ -278,6 +291,7 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             meter = StreamMeter(
                 started=request.started,
                 strip_usage=strip_usage,
+                several_sequences=_several_sequences(request.payload),
                 window=replica.window,
                 admitted=flight.admitted,
             )

@@ -144,6 +144,7 @@ class StreamRelay:
         self._end: StreamEnd | None = None
         self._recorded: StreamEnd | None = None
         self._finished = False
+        self._unframed = False  # an SSE stream relayed as it comes, past MAX_HELD_EVENT_BYTES
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -185,6 +186,7 @@ class StreamRelay:
             MAX_HELD_EVENT_BYTES,
         )
         self.events = False
+        self._unframed = True
         if events:
             kept = self.meter.observe(events)
             if self.meter.done:
@@ -247,9 +249,12 @@ class StreamRelay:
             timed_out = isinstance(exc, httpx.TimeoutException)
             status: RequestStatus = "upstream_timeout" if timed_out else "upstream_error"
             self._end = StreamEnd(status, meter, message)
-            await send(
-                {"type": "http.response.body", "body": error_event(message), "more_body": True}
-            )
+            error = error_event(message)
+            if self._unframed:
+                # What went out may end inside an event: a blank line ends it first, so the
+                # error event is one of its own (after a whole event it is a no-op).
+                error = b"\n\n" + error
+            await send({"type": "http.response.body", "body": error, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         # An event the close cut short is still the backend's (a usage chunk may be the

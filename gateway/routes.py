@@ -67,8 +67,12 @@ async def tokenize(request: Request) -> Response:
         raise Unavailable(f"no healthy backend serves model `{model}`")
     replica = least_busy(healthy)
     headers = {"content-type": "application/json", **backend_auth(replica)}
+    # The live config's timeouts, as for proxied requests: the client's own are startup's.
+    timeout = httpx.Timeout(**runtime.current.upstream_timeouts)
     try:
-        answer = await runtime.client.post(replica.url + "/tokenize", content=body, headers=headers)
+        answer = await runtime.client.post(
+            replica.url + "/tokenize", content=body, headers=headers, timeout=timeout
+        )
     except httpx.HTTPError as exc:
         raise UpstreamError(f"backend {replica.name} failed: {type(exc).__name__}: {exc}") from exc
     return Response(

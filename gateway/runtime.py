@@ -97,15 +97,21 @@ class Runtime:
     on_reload: Callable[[], None] = lambda: None
     limits: LimitLoop = field(default_factory=LimitLoop)
     routing: RoutingState = field(default_factory=RoutingState)  # calibration, sessions
-    # Removed replicas still holding requests: a backend added back before they finish
-    # gets its replica back, in-flight count included, so its limit still holds.
-    retired: dict[str, Replica] = field(default_factory=dict)
-    # Removed backends that have drained. Their series are shown drained by one more
-    # exposition, their last requests counted, and go at the exposition after it.
-    _drained: dict[str, Replica | None] = field(default_factory=dict)
-    _shown_drained: dict[str, Replica | None] = field(default_factory=dict)
+    # Removed replicas still holding requests, however many reloads ago, several per name
+    # when a reload re-addressed a backend: a backend added back at the URL of one before
+    # it finishes gets that replica back, in-flight count included, so its limit holds.
+    retired: list[Replica] = field(default_factory=list)
+    # Removed backends that have drained, with their replicas (none when only series are
+    # left). Their series are shown drained by the next exposition, their last requests
+    # counted, and go at the exposition after it if nothing was counted on them meanwhile.
+    _drained: dict[str, list[Replica]] = field(default_factory=dict)
+    # Those the last exposition showed drained, and their requests and retries counted then.
+    _shown_drained: dict[str, tuple[list[Replica], float]] = field(default_factory=dict)
+    # What the process started with: the keys only a restart applies are compared to it.
+    _at_startup: Settings | None = None
 
     def __post_init__(self) -> None:
+        self._at_startup = self.current.settings
         self._sync_admissions()
         self._sync_metrics()
         self._sync_limits()
@@ -147,16 +153,21 @@ class Runtime:
 
     def _forget_drained(self) -> None:
         """Retired replicas whose last request ended leave; a backend no longer configured
-        is shown drained by the next exposition, then its series go."""
-        for name, replica in list(self.retired.items()):
-            if replica.in_flight == 0:
-                del self.retired[name]
-                if self.current.backends.get(name) is None:
-                    self._drained[name] = replica
+        and no longer held by any replica is shown drained by the next exposition."""
+        drained = [r for r in self.retired if r.in_flight == 0]
+        self.retired = [r for r in self.retired if r.in_flight > 0]
+        held = self._held_names()
+        for replica in drained:
+            if replica.name not in held:
+                self._drained.setdefault(replica.name, []).append(replica)
+
+    def _held_names(self) -> set[str]:
+        """Backends whose series stay whatever was counted: configured, or still draining."""
+        return {r.name for r in (*self.current.backends.replicas, *self.retired)}
 
     def draining(self) -> list[Replica]:
         """Removed replicas still holding requests, however few."""
-        return [r for r in self.retired.values() if r.in_flight > 0]
+        return [r for r in self.retired if r.in_flight > 0]
 
     def refresh_gauges(self) -> None:
         """Live state → gauges; run before each exposition, so requests pay nothing."""
@@ -191,28 +202,36 @@ class Runtime:
                 self.metrics.set_queue_depth(pool, priority.name.lower(), admission.depth(priority))
 
     def _expire_drained(self) -> None:
-        """Series the last exposition showed drained go; those drained since are shown now."""
-        for name in self._shown_drained:
-            if self.current.backends.get(name) is None and name not in self.retired:
-                self.metrics.remove_backend(name)
+        """Series the last exposition showed drained go, unless something was counted on
+        them since (a request that failed over from the backend and then ended, a retry
+        from it that went out): those are shown once more, as are those drained since."""
         self._forget_drained()
-        self._shown_drained, self._drained = self._drained, {}
-        owned = {r.name for r in (*self.current.backends.replicas, *self.retired.values())}
-        for name in self.metrics.backends() - owned - self._shown_drained.keys():
-            # Counted after its replica drained (a request that failed over from it and
-            # then failed everywhere): shown once, then gone like the others.
-            self._shown_drained[name] = None
+        held = self._held_names()
+        shown = {n: v for n, v in self._shown_drained.items() if n not in held}
+        counted = self.metrics.counted(shown)
+        for name, (replicas, before) in shown.items():
+            if counted[name] == before:
+                self.metrics.remove_backend(name)
+            else:
+                self._drained.setdefault(name, replicas)
+        for name in self.metrics.backends() - held - self._drained.keys():
+            # Counted after its series went (such a request or retry): shown once, then
+            # gone like the others.
+            self._drained[name] = []
+        counted = self.metrics.counted(self._drained)
+        self._shown_drained = {n: (r, counted[n]) for n, r in self._drained.items()}
+        self._drained = {}
 
     def _replicas_by_name(self) -> dict[str, list[Replica]]:
-        """The replicas behind each backend's series: its live one, and one still draining
-        when a reload re-addressed it (both count in its in-flight gauge)."""
+        """The replicas behind each backend's series: its live one, and those still draining
+        where reloads re-addressed it (all count in its in-flight gauge)."""
         group = {r.name: [r] for r in self.current.backends.replicas}
-        for replica in self.retired.values():
+        for replica in self.retired:
             group.setdefault(replica.name, []).append(replica)
-        for name, drained in self._shown_drained.items():
-            if drained is not None:
-                group.setdefault(name, []).append(drained)
-        return group  # a name with request series only has no gauge left to set
+        for name, (drained, _) in self._shown_drained.items():
+            if drained:  # a name with series but no replica has no gauge left to set
+                group.setdefault(name, []).extend(drained)
+        return group
 
     def admission(self, pool: str) -> PoolAdmission:
         return self.admissions[pool]
@@ -256,12 +275,10 @@ class Runtime:
         if unknown_sims:
             message = "simulated backends can only be added at startup: " + ", ".join(unknown_sims)
             return ReloadResult(False, message)
-        previous = self.current.backends
-        returning = [r for r in self.retired.values() if previous.get(r.name) is None]
-        known = BackendSet.of([*previous.replicas, *returning])
-        self.current = Snapshot.build(settings, known, self.sim_urls)
+        held = [*self.retired, *self.current.backends.replicas]
+        self.current = Snapshot.build(settings, self._keepable(settings, held), self.sim_urls)
         live = set(map(id, self.current.backends.replicas))
-        self.retired = {r.name: r for r in known.replicas if id(r) not in live}
+        self.retired = [r for r in held if id(r) not in live]
         self._sync_admissions()
         self._sync_metrics()
         self._forget_drained()
@@ -269,9 +286,21 @@ class Runtime:
         self.notify()
         self.on_reload()
         names = ", ".join(r.name for r in self.current.backends.replicas)
-        return ReloadResult(
-            True, f"config applied: {len(self.current.backends.replicas)} backends ({names})"
-        )
+        message = f"config applied: {len(self.current.backends.replicas)} backends ({names})"
+        unapplied = _needing_a_restart(self._at_startup or settings, settings)
+        if unapplied:
+            log.warning("config reload: %s take effect only at a restart", ", ".join(unapplied))
+            message += f"; not applied until a restart: {', '.join(unapplied)}"
+        return ReloadResult(True, message)
+
+    def _keepable(self, settings: Settings, held: list[Replica]) -> BackendSet:
+        """Per backend of ``settings``, the replica it keeps: the one, live or draining, at
+        the URL it names (resolved as :meth:`BackendSet.build` does); none there, a new one.
+        Where a live and a draining replica share name and URL, the live one (last) wins."""
+        urls = {
+            b.name: (b.url or self.sim_urls.get(b.name, "")).rstrip("/") for b in settings.backends
+        }
+        return BackendSet.of(r for r in held if urls.get(r.name) == r.url)
 
     def reload(self) -> ReloadResult:
         """Re-read the config file; on any error the old config keeps serving."""
@@ -289,3 +318,20 @@ class Runtime:
         self.metrics.observe_config_reload(result.ok)
         (log.info if result.ok else log.error)("config reload: %s", result.message)
         return result
+
+
+def _needing_a_restart(running: Settings, new: Settings) -> list[str]:
+    """Keys a reload changed that are read only at startup: the listening socket, the
+    shutdown drain, and the simulators ``kneecap serve`` started itself."""
+    changed = [
+        f"listen.{key}"
+        for key in ("host", "port", "drain_timeout_s")
+        if getattr(running.listen, key) != getattr(new.listen, key)
+    ]
+    old_sims = {b.name: b.sim for b in running.backends if b.sim is not None}
+    changed += [
+        f"backends.{b.name}.sim"
+        for b in new.backends
+        if b.sim is not None and b.name in old_sims and old_sims[b.name] != b.sim
+    ]
+    return changed

@@ -44,6 +44,20 @@ class SimConfig(Frozen):
     speed: float = Field(1.0, gt=0)
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _known_profile(self) -> SimConfig:
+        if self.profile is not None:
+            from backends.sim.profiles import get_profile  # the simulator, only when named
+
+            try:
+                get_profile(self.profile)
+            except KeyError:
+                raise ValueError(
+                    f"unknown simulator profile {self.profile!r} "
+                    "(`kneecap sim --list-profiles` lists them)"
+                ) from None
+        return self
+
 
 class BackendConfig(Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -109,7 +123,7 @@ class HealthConfig(Frozen):
     interval_s: float = Field(2.0, gt=0)
     # An engine busy at full batch can take seconds to answer; too short flaps it.
     timeout_s: float = Field(5.0, gt=0)
-    path: str = "/health"
+    path: str = Field("/health", pattern=r"^/")  # appended to each backend's URL
     # Passive ejection: this many consecutive failed requests take a backend out
     # until the next successful active probe.
     failure_threshold: int = Field(3, ge=1)
@@ -218,6 +232,17 @@ class AuthConfig(Frozen):
     admin_token: SecretStr | None = None
     forward_client_key: bool = False
 
+    @model_validator(mode="after")
+    def _no_empty_secret(self) -> AuthConfig:
+        # An empty key would let in every client that sends none; an empty admin token
+        # would read as no token at all, leaving the admin API open.
+        keys = [k.key if isinstance(k, ClientKey) else k for k in self.api_keys]
+        if any(not k.get_secret_value().strip() for k in keys):
+            raise ValueError("api_keys: a client key must not be empty")
+        if self.admin_token is not None and not self.admin_token.get_secret_value().strip():
+            raise ValueError("admin_token must not be empty (leave it out for no token)")
+        return self
+
     def client_keys(self) -> tuple[tuple[str, str], ...]:
         """(key, priority class) pairs."""
         keys = [
@@ -232,6 +257,12 @@ class AuthConfig(Frozen):
         return tuple(keys)
 
 
+DEFAULT_POOLS: dict[str, dict[str, int]] = {
+    "short": {"max_prompt_tokens": 8192},
+    "long": {"min_prompt_tokens": 8192},
+}
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         frozen=True, extra="forbid", env_prefix=ENV_PREFIX, env_nested_delimiter="__"
@@ -239,10 +270,7 @@ class Settings(BaseSettings):
 
     listen: ListenConfig = ListenConfig()
     pools: dict[str, PoolConfig] = Field(
-        default_factory=lambda: {
-            "short": PoolConfig(max_prompt_tokens=8192),
-            "long": PoolConfig(min_prompt_tokens=8192),
-        }
+        default_factory=lambda: {name: PoolConfig(**pool) for name, pool in DEFAULT_POOLS.items()}
     )
     backends: tuple[BackendConfig, ...] = ()
     health: HealthConfig = HealthConfig()
@@ -272,11 +300,13 @@ class Settings(BaseSettings):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"backend names must be unique, repeated: {', '.join(duplicates)}")
-        largest = max((self.limit_of(b).max for b in self.backends), default=0)
-        if self.upstream.max_connections < largest:
+        # One pool serves every backend, and each may be at its largest limit at once.
+        needed = sum(self.limit_of(b).max for b in self.backends)
+        if self.upstream.max_connections < needed:
             raise ValueError(
                 f"upstream.max_connections ({self.upstream.max_connections}) must be at least the "
-                f"largest concurrency limit ({largest}), or the connection pool limits first"
+                f"sum of the backends' largest concurrency limits ({needed}): the pool is "
+                "shared, and it must not limit before admission does"
             )
         for backend in self.backends:
             if backend.pool not in self.pools:
@@ -296,11 +326,27 @@ class ConfigError(Exception):
 
 
 def format_validation_error(error: ValidationError) -> str:
+    """One line per error: the key's path as the file spells it, and what was wrong.
+
+    A union (a key, or ``{key, priority}``) reports each of its branches; the branch
+    for a scalar says nothing useful about a mapping that was given, so it is left out,
+    and pydantic's own names for a branch (``lax-or-strict[...]``, a model's class
+    name) are not part of the path."""
+    items = error.errors()
+    kept = [i for i in items if not (_internal_parts(i["loc"]) and isinstance(i["input"], dict))]
     lines = []
-    for item in error.errors():
-        path = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        lines.append(f"{path}: {item['msg']}")
+    for item in kept or items:
+        parts = [str(part) for part in item["loc"] if not _is_branch_name(part)]
+        lines.append(f"{'.'.join(parts) or '(top level)'}: {item['msg']}")
     return "\n".join(lines)
+
+
+def _is_branch_name(part: str | int) -> bool:
+    return isinstance(part, str) and ("[" in part or part[:1].isupper())
+
+
+def _internal_parts(loc: tuple[str | int, ...]) -> bool:
+    return any(isinstance(part, str) and "[" in part for part in loc)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -324,6 +370,10 @@ def build_settings(data: dict[str, Any]) -> Settings:
     odd = [repr(key) for key in data if not isinstance(key, str)]
     if odd:
         raise ConfigError(f"(top level): keys must be strings, got {', '.join(odd)}")
+    if "pools" not in data:
+        # Spelt out, so that an environment override of one pool's knob merges into the
+        # default pools rather than replacing them all with that one.
+        data = {**data, "pools": {name: dict(pool) for name, pool in DEFAULT_POOLS.items()}}
     try:
         return Settings(**data)
     except ValidationError as exc:

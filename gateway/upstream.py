@@ -39,6 +39,7 @@ class _Connection(asyncio.Protocol):
         self.used = False  # has served a request: a failure may be a stale keep-alive
         self.counted = True  # holds one of the pool's ``max_connections`` slots
         self.idle = False  # in the pool, no request on it
+        self.idle_since = 0.0  # loop time it was last put in the pool
         self.timer: asyncio.TimerHandle | None = None
         self.deadline = 0.0
         self.paused = False
@@ -297,13 +298,24 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
     """Keep-alive HTTP/1.1 to plain-HTTP upstreams; ``max_connections`` bounds the pool."""
 
     def __init__(self, *, max_connections: int, tls: httpx.AsyncBaseTransport | None = None):
-        self._max = max_connections
+        self._max = max_connections  # a reload changes it: :meth:`resize`
         self._open = 0
         self._idle: dict[_Origin, deque[_Connection]] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._tls = tls or httpx.AsyncHTTPTransport(
             limits=httpx.Limits(max_connections=max_connections)
         )
+
+    def resize(self, max_connections: int) -> None:
+        """The pool's new bound (a reload). Raised, requests waiting for a connection go
+        on at once; lowered, idle connections over it close now and those in use as
+        they come back: none is cut. (The ``https://`` pool keeps its startup bound.)"""
+        self._max = max_connections
+        for idle in self._idle.values():
+            while idle and self._open > self._max:
+                self._discard(idle.popleft())  # the longest idle first
+        for _ in range(self._max - self._open):
+            self._wake_one()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
@@ -415,9 +427,11 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 conn._reset()
                 return conn
             self._discard(conn)
-        if self._open >= self._max:
-            self._purge_closed()
         while self._open >= self._max:
+            self._purge_closed()
+            self._evict_idle()
+            if self._open < self._max:
+                break
             await self._wait_for_room(timeouts.get("pool"))
             idle = self._idle.get(origin)
             if idle:
@@ -461,26 +475,40 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 return
 
     def _release(self, conn: _Connection) -> None:
-        if conn.reusable():
+        if conn.reusable() and self._open <= self._max:
             conn.idle = True
+            conn.idle_since = conn.loop.time()
             self._idle.setdefault(conn.origin, deque()).append(conn)
         else:
             self._discard(conn)
             return
         self._wake_one()
 
-    def _discard(self, conn: _Connection) -> None:
+    def _discard(self, conn: _Connection, wake: bool = True) -> None:
         conn.close()
         if conn.counted:
             conn.counted = False
             self._open -= 1
-            self._wake_one()
+            if wake and self._open < self._max:  # over a lowered bound, no room yet
+                self._wake_one()
 
     def _purge_closed(self) -> None:
         for idle in self._idle.values():
             for conn in [c for c in idle if c.closed]:
                 idle.remove(conn)
                 self._discard(conn)
+
+    def _evict_idle(self) -> None:
+        """The pool is full: one idle connection, to whichever origin, makes room. Those
+        to a backend nobody calls any more (a reload removed or re-addressed it) would
+        otherwise hold their slots until the backend closes them."""
+        oldest = min(
+            (idle for idle in self._idle.values() if idle),
+            key=lambda idle: idle[0].idle_since,
+            default=None,
+        )
+        if oldest is not None:
+            self._discard(oldest.popleft(), wake=False)  # the caller takes the room
 
     async def aclose(self) -> None:
         for idle in self._idle.values():

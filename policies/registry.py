@@ -21,15 +21,30 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Discriminator, Tag
 
 from policies.base import LimitController
 from policies.gradient import GradientLimit, GradientLimitConfig
 from policies.knee import KneeLimit, KneeLimitConfig
 from policies.static import StaticLimit, StaticLimitConfig
 
+
+def _kind_of(value: Any) -> str | None:
+    """A limit block without ``kind`` is the default controller's, ``knee``."""
+    if isinstance(value, Mapping):
+        return value.get("kind", "knee")
+    return getattr(value, "kind", None)
+
+
 LimitConfig = Annotated[
-    StaticLimitConfig | KneeLimitConfig | GradientLimitConfig, Field(discriminator="kind")
+    Annotated[StaticLimitConfig, Tag("static")]
+    | Annotated[KneeLimitConfig, Tag("knee")]
+    | Annotated[GradientLimitConfig, Tag("gradient")],
+    Discriminator(
+        _kind_of,
+        custom_error_type="invalid_limit_kind",
+        custom_error_message="`kind` must be one of static, knee, gradient",
+    ),
 ]
 
 # Each builder takes its own config type and an optional carried-over limit.

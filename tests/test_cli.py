@@ -41,6 +41,23 @@ def test_check_config_accepts_a_valid_file(tmp_path: Path) -> None:
         ("pools: {short: {max_queue_depth: -1}}\n", "pools.short.max_queue_depth"),
         ("surprise: 1\n", "surprise"),
         ("[1, 2]\n", "top level must be a mapping"),
+        # An empty key let in every client that sent none; an empty admin token read as
+        # none at all (the admin API open).
+        ("auth: {api_keys: ['']}\n", "a client key must not be empty"),
+        ("auth: {api_keys: [{key: ' '}]}\n", "a client key must not be empty"),
+        ("auth: {admin_token: ''}\n", "admin_token must not be empty"),
+        # Appended to the URL, "health" probed http://host:porthealth: every backend down.
+        ("health: {path: health}\n", "health.path"),
+        # Passed, then `kneecap serve` died on a KeyError traceback.
+        ("backends:\n  - {name: s, sim: {profile: nope}}\n", "unknown simulator profile 'nope'"),
+        ("admission: {limit: {kind: fast}}\n", "admission.limit: `kind` must be one of"),
+        # One pool for all backends: two at limit 2 need 4 connections (two got 504).
+        (
+            "upstream: {max_connections: 2}\n"
+            "admission: {limit: {kind: static, initial: 2, max: 2}}\n"
+            "backends: [{name: a, url: 'http://127.0.0.1:1'}, {name: b, url: 'http://127.0.0.1:2'}]\n",
+            "sum of the backends' largest concurrency limits (4)",
+        ),
     ],
 )
 def test_check_config_names_the_bad_key(tmp_path: Path, text: str, expected: str) -> None:
@@ -49,6 +66,48 @@ def test_check_config_names_the_bad_key(tmp_path: Path, text: str, expected: str
     result = run_cli("check-config", str(path))
     assert result.returncode == 1
     assert expected in result.stderr
+
+
+def test_a_limit_without_kind_is_the_default_knee_controller(tmp_path: Path) -> None:
+    # README: `kind: knee` is the default; a block without it was refused.
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "admission: {limit: {max: 64}}\n"
+        "backends: [{name: a, url: 'http://127.0.0.1:1', limit: {initial: 2}}]\n"
+    )
+    settings = load_settings(path)
+    assert (settings.admission.limit.kind, settings.admission.limit.max) == ("knee", 64)
+    assert settings.backends[0].limit is not None and settings.backends[0].limit.kind == "knee"
+
+
+def test_an_error_in_a_keyed_client_names_its_path_plainly(tmp_path: Path) -> None:
+    # The first line was pydantic's own name for a union branch ("lax-or-strict[...]"),
+    # about the plain-string form nobody wrote, before the line that mattered.
+    path = tmp_path / "bad.yaml"
+    path.write_text("auth: {api_keys: [{key: k, priority: urgent}]}\n")
+    result = run_cli("check-config", str(path))
+    assert result.returncode == 1
+    errors = result.stderr.splitlines()[1:]
+    assert errors == ["auth.api_keys.0.priority: Input should be 'interactive' or 'batch'"]
+
+
+def test_an_environment_override_of_one_nested_knob_keeps_the_defaults_around_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One pool's knob from the environment replaced the default pools with that pool
+    # alone (the long pool gone, the short one's range lost), and one knob of the default
+    # limit controller was refused for want of its `kind`.
+    path = tmp_path / "c.yaml"
+    path.write_text("backends: [{name: a, url: 'http://127.0.0.1:1', pool: long}]\n")
+    monkeypatch.setenv("KNEECAP_POOLS__SHORT__MAX_QUEUE_DEPTH", "100")
+    monkeypatch.setenv("KNEECAP_ADMISSION__LIMIT__MAX", "64")
+    settings = load_settings(path)
+    pools = {
+        n: (p.min_prompt_tokens, p.max_prompt_tokens, p.max_queue_depth)
+        for n, p in settings.pools.items()
+    }
+    assert pools == {"short": (0, 8192, 100), "long": (8192, None, 256)}
+    assert (settings.admission.limit.kind, settings.admission.limit.max) == ("knee", 64)
 
 
 def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +121,8 @@ def plain_answer() -> dict[str, Any]:
     return {"model": "gone", "messages": [{"role": "user", "content": "x"}], "raw_script": script}
 
 
-def raw_backend(name: str, url: str, model: str) -> dict[str, Any]:
-    limit = {"kind": "static", "initial": 8, "min": 1, "max": 8}
+def raw_backend(name: str, url: str, model: str, limit_to: int = 8) -> dict[str, Any]:
+    limit = {"kind": "static", "initial": limit_to, "min": 1, "max": limit_to}
     return {
         "name": name,
         "url": url,
@@ -276,3 +278,175 @@ def test_a_backend_moved_to_another_pool_keeps_counting_its_requests(tmp_path: P
         thread.join(1)
         gw.proc.stop()
         raw.stop()
+
+
+def b_series(text: str) -> list[str]:
+    """The samples of backend ``b`` in an exposition."""
+    return [line for line in text.splitlines() if 'backend="b"' in line]
+
+
+def failing_chat() -> dict[str, Any]:
+    """A chat the raw backend answers 503 once ``GET /poke`` arrives: the gateway retries
+    it elsewhere (or relays the 503 when no backend is left to try)."""
+    error = '{"error":{"message":"overloaded","type":"server_error","code":503}}'
+    head = "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    answer = f"{head}content-length: {len(error)}\r\n\r\n{error}"
+    return {**plain_answer(), "raw_script": [["await_poke"], ["send", answer]]}
+
+
+def held_plain() -> dict[str, Any]:
+    """A plain chat answered once ``GET /poke`` arrives."""
+    answer = plain_answer()
+    return {**answer, "raw_script": [["await_poke"], *answer["raw_script"]]}
+
+
+def post_raw(url: str, body: dict[str, Any]) -> socket.socket:
+    """POST ``body`` on a bare socket, so the test decides when the client leaves."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n"
+    )
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+class RetryOffRemovedBackend:
+    """Backends a and b, limit 1 each, both answering from their request's script. H holds
+    a; R is sent to b, b is removed by a reload, b fails R, and R waits in a's queue to
+    retry there: b has drained, but R has yet to be counted on it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.a, self.b = start_raw_sse(tmp_path), start_raw_sse(tmp_path)
+        self.config = {
+            "backends": [raw_backend("a", self.a.url, "gone", limit_to=1)],
+            "health": {"interval_s": 5},
+        }
+        self.gw = start_gateway(tmp_path, self.config)
+        self.h = threading.Thread(target=self.post, args=(held_plain(),))
+
+    def post(self, body: dict[str, Any]) -> int:
+        return httpx.post(self.gw.url + "/v1/chat/completions", json=body, timeout=30).status_code
+
+    def reload(self, backends: list[dict[str, Any]]) -> None:
+        self.gw.write_config({**self.config, "backends": backends})
+        assert httpx.post(self.gw.url + "/admin/reload", timeout=5).json()["ok"] is True
+
+    def queue_r(self, send_r: Callable[[], object]) -> None:
+        """Up to R waiting in a's queue; ``send_r`` sends R, a :func:`failing_chat`."""
+        state = self.gw.state
+        self.h.start()
+        wait_until(lambda: state()["pools"]["short"]["leased"] == 1)  # a is full
+        self.reload([*self.config["backends"], raw_backend("b", self.b.url, "gone", 1)])
+        wait_until(lambda: any(b["name"] == "b" and b["healthy"] for b in state()["backends"]))
+        send_r()
+        wait_until(lambda: [b["in_flight"] for b in state()["backends"]] == [1, 1])
+        self.reload(self.config["backends"])  # b removed: it drains
+        assert httpx.get(self.b.url + "/poke", timeout=10).status_code == 200  # b fails R
+        wait_until(lambda: state()["pools"]["short"]["queue_depth"] == 1)  # R waits for a
+
+    def stop(self) -> None:
+        if self.h.is_alive():
+            httpx.get(self.a.url + "/poke", timeout=10)
+            self.h.join(10)
+        self.gw.proc.stop()
+        self.a.stop()
+        self.b.stop()
+
+
+def test_a_request_counted_on_a_backend_shown_drained_is_still_exposed(tmp_path: Path) -> None:
+    # Shown drained, a backend's series went at the next exposition, which first counted
+    # a request that had failed over from it and ended meanwhile: never exposed.
+    setup = RetryOffRemovedBackend(tmp_path)
+    client: list[socket.socket] = []
+    try:
+        setup.queue_r(lambda: client.append(post_raw(setup.gw.url, failing_chat())))
+        drained = exposition(setup.gw.url)
+        assert value_in(drained, "kneecap_inflight_requests", backend="b") == 0
+        assert value_in(drained, "kneecap_requests_total", backend="b") is None
+        client[0].close()  # R leaves while it waits: counted on b, the backend that had it
+
+        def r_counted() -> bool:
+            recent = httpx.get(setup.gw.url + "/admin/requests", timeout=5).json()["requests"]
+            return [(q["backend"], q["status"]) for q in recent] == [("b", "client_closed")]
+
+        wait_until(r_counted)
+        shown = exposition(setup.gw.url)
+        assert value_in(shown, "kneecap_requests_total", backend="b", status="client_closed") == 1
+        assert b_series(exposition(setup.gw.url)) == []  # and then it goes
+    finally:
+        for sock in client:
+            sock.close()
+        setup.stop()
+
+
+def test_a_retry_counted_after_its_backend_went_leaves_no_series_behind(tmp_path: Path) -> None:
+    # A retry is counted when it goes out, which can be after the backend it left was
+    # removed and its series went: the retry count re-created a series nothing removed.
+    setup = RetryOffRemovedBackend(tmp_path)
+    done: list[int] = []
+    r = threading.Thread(target=lambda: done.append(setup.post(failing_chat())))
+    try:
+        setup.queue_r(r.start)
+        assert value(setup.gw.url, "kneecap_upstream_retries_total", backend="b") == 0
+        assert b_series(exposition(setup.gw.url)) == []  # shown drained, then gone
+        poke_a = setup.a.url + "/poke"
+        assert httpx.get(poke_a, timeout=10).status_code == 200  # H ends: R retries on a
+        assert httpx.get(poke_a, timeout=10).status_code == 200  # R is on a: a fails it too
+        r.join(30)
+        assert done == [503]  # no backend left to try: a's answer is relayed
+        shown = exposition(setup.gw.url)
+        assert value_in(shown, "kneecap_upstream_retries_total", backend="b") == 1
+        assert b_series(exposition(setup.gw.url)) == []
+    finally:
+        setup.stop()
+        if r.is_alive():
+            r.join(10)
+
+
+def test_a_re_addressed_backends_draining_replica_outlives_later_reloads(tmp_path: Path) -> None:
+    # A second reload (any) forgot the replica a first one re-addressed while it still held
+    # a request: gone from /admin/state and from the in-flight gauge, and its series went
+    # while that request ran once the backend was removed.
+    first, second = start_raw_sse(tmp_path), start_raw_sse(tmp_path)
+    config = {"backends": [raw_backend("b", first.url, "gone")], "health": {"interval_s": 5}}
+    gw = start_gateway(tmp_path, config)
+    done: list[int] = []
+
+    def stream_one() -> None:
+        url = gw.url + "/v1/chat/completions"
+        with httpx.stream("POST", url, json=held_stream(), timeout=30) as r:
+            r.read()
+            done.append(r.status_code)
+
+    def reload(backends: list[dict[str, Any]]) -> list[tuple[str, int, bool]]:
+        gw.write_config({**config, "backends": backends})
+        assert httpx.post(gw.url + "/admin/reload", timeout=5).json()["ok"] is True
+        return [(b["name"], b["in_flight"], b["draining"]) for b in gw.state()["backends"]]
+
+    thread = threading.Thread(target=stream_one)
+    moved = [raw_backend("b", second.url, "gone")]
+    try:
+        thread.start()
+        wait_until(lambda: gw.state()["pools"]["short"]["leased"] == 1)
+        assert reload(moved) == [("b", 0, False), ("b", 1, True)]
+        assert reload(moved) == [("b", 0, False), ("b", 1, True)]  # an unrelated reload
+        assert value(gw.url, "kneecap_inflight_requests", backend="b") == 1
+        # Back at its first URL, it gets the replica that still drains there.
+        assert reload(config["backends"]) == [("b", 1, False)]
+        assert reload([]) == [("b", 1, True)]  # removed: its series stay while it drains
+        assert value(gw.url, "kneecap_inflight_requests", backend="b") == 1
+        assert httpx.get(first.url + "/poke", timeout=10).status_code == 200
+        thread.join(30)
+        assert done == [200]
+        wait_until(lambda: gw.state()["pools"]["short"]["leased"] == 0)
+        drained = exposition(gw.url)
+        assert value_in(drained, "kneecap_requests_total", backend="b", status="ok") == 1
+        assert b_series(exposition(gw.url)) == []
+    finally:
+        thread.join(1)
+        gw.proc.stop()
+        first.stop()
+        second.stop()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.meter import StreamMeter
+from gateway.proxy import _several_sequences
 
 
 def chunk(index: int, content: str | None = None, finish: str | None = None, **extra: Any) -> bytes:
@@ -28,9 +29,9 @@ class Clock:
         return self.now
 
 
-def fed(timeline: list[tuple[float, bytes]]) -> StreamMeter:
+def fed(timeline: list[tuple[float, bytes]], several: bool = True) -> StreamMeter:
     clock = Clock()
-    meter = StreamMeter(started=0.0, clock=clock)
+    meter = StreamMeter(started=0.0, clock=clock, several_sequences=several)
     for at, event in timeline:
         clock.now = at
         meter.observe([event])
@@ -60,6 +61,15 @@ def test_a_second_sequence_that_speaks_first_is_told_apart() -> None:
     assert meter.gaps == pytest.approx([0.030, 0.040])
 
 
+def test_a_single_sequence_stream_is_timed_event_to_event_whatever_its_spelling() -> None:
+    """Only a request that may stream several sequences is looked at per sequence: the
+    others pay nothing for it, however their engine spells its JSON."""
+    spaced = [(0.1 * k, chunk(0, "x").replace(b'"index":0', b'"index": 0')) for k in (1, 2, 3)]
+    meter = fed(spaced, several=False)
+    assert meter.gaps == pytest.approx([0.1, 0.1])
+    assert meter.last_by_sequence is None
+
+
 def test_one_sequence_in_other_spellings_is_still_one() -> None:
     """Spaces, or no index at all: read as JSON, the same gaps as the compact spelling."""
     spaced = [(0.1 * k, chunk(0, "x").replace(b'"index":0', b'"index": 0')) for k in (1, 2, 3)]
@@ -87,3 +97,20 @@ def test_a_second_sequence_finishing_without_output_does_not_set_the_reason() ->
         (0.12, chunk(0, None, "length")),
     ]
     assert fed(timeline).finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("payload", "several"),
+    [
+        ({"messages": []}, False),
+        ({"messages": [], "n": 1}, False),
+        ({"messages": [], "n": 2}, True),
+        ({"prompt": "x"}, False),
+        ({"prompt": ["x"]}, False),
+        ({"prompt": ["x", "y"]}, True),
+        ({"prompt": [1, 2, 3]}, False),  # token ids: one prompt
+        ({"prompt": [[1], [2]]}, True),
+    ],
+)
+def test_which_requests_may_stream_several_sequences(payload: dict, several: bool) -> None:
+    assert _several_sequences(payload) is several

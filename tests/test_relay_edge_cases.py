@@ -402,6 +402,27 @@ def test_an_event_past_the_held_limit_is_relayed_before_it_ends(gw: Gateway, raw
     assert record["ttft_s"] is not None  # timed up to the event it could not frame
 
 
+def test_a_failure_after_the_held_limit_still_ends_with_an_error_event_of_its_own(
+    gw: Gateway, raw: Proc
+) -> None:
+    """Relayed unframed, the stream may stop inside an event: the gateway's error event
+    must not be glued into it (before: the client's last event was the half-sent one
+    with the error's bytes appended, no error event at all)."""
+    big = b'data: {"filler":"' + b"x" * (MAX_HELD_EVENT_BYTES + 1024)
+    script = [
+        ["send", SSE_HEAD],
+        *chunks(delta(role=True), delta("one ")),
+        *chunks(*(big[i : i + 65536] for i in range(0, len(big), 65536))),
+        ["await_poke"],  # until the client has the bulk: the stream went unframed
+        ["reset"],
+    ]
+    data, record = relayed(gw, script, asked=True, poke=(raw, b"x" * MAX_HELD_EVENT_BYTES))
+    last = events_of(data)[-1]
+    assert last.startswith(b'data: {"error"'), last[:80]
+    assert json.loads(last[len(b"data: ") :])["error"]["code"] == "upstream_error"
+    assert record["status"] == "upstream_error"
+
+
 # --- recorded at [DONE] ------------------------------------------------------------
 
 

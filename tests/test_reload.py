@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import MODEL, backend, start_gateway, start_sim, wait_until
+from tests.procs import MODEL, backend, free_port, start_gateway, start_sim, wait_until
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
 
@@ -83,6 +83,28 @@ def test_invalid_reload_keeps_the_old_config(tmp_path: Path) -> None:
         ok = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=10)
         assert ok.status_code == 200
         assert [b["name"] for b in gw.state()["backends"]] == ["a"]
+    finally:
+        gw.proc.stop()
+        sim.stop()
+
+
+def test_a_reload_says_which_changes_wait_for_a_restart(tmp_path: Path) -> None:
+    """The listening address is read at startup: a reload that moves it applies the rest
+    and says the address waits (before: "config applied", nothing logged, nothing bound).
+    The same holds after a second reload: it is the running process that is compared."""
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    gw = start_gateway(tmp_path, {"backends": [backend("a", sim.url)]})
+    try:
+        moved = {**gw.config, "listen": {**gw.config["listen"], "port": free_port()}}
+        moved["health"] = {"interval_s": 0.5}
+        for _ in range(2):
+            gw.write_config(moved)
+            body = httpx.post(gw.url + "/admin/reload", timeout=5).json()
+            assert body["ok"] is True
+            assert "not applied until a restart: listen.port" in body["message"], body
+        assert "listen.port take effect only at a restart" in gw.proc.log.read_text()
+        ok = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=10)
+        assert ok.status_code == 200  # still where it started
     finally:
         gw.proc.stop()
         sim.stop()

@@ -130,7 +130,13 @@ def test_an_sdk_client_asking_so_gets_its_usage_chunk(gw: Gateway, raw: Proc, fl
 
 @pytest.mark.parametrize(
     "options",
-    [None, {}, {"include_usage": 0}, {"include_usage": "false"}, {"include_usage": "OFF"}],
+    [
+        None,
+        {"include_usage": None},
+        {"include_usage": 0},
+        {"include_usage": "false"},
+        {"include_usage": "OFF"},
+    ],
     ids=repr,
 )
 def test_usage_not_asked_for_is_asked_by_the_gateway(gw: Gateway, options: object) -> None:
