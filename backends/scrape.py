@@ -119,7 +119,7 @@ async def scrape_loop(
     pause: Callable[[], Awaitable[None]],
 ) -> None:
     """Scrapes all replicas, then ``pause()``s until the next round: the live interval,
-    ended early when a reload shortened it (``gateway.app.Pacer``)."""
+    ended early when a reload shortened it (``gateway.pacer.Pacer``)."""
     while True:
         backends, interval = current()
         async with anyio.create_task_group() as group:

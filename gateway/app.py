@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from functools import partial
 from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
@@ -28,6 +28,7 @@ from gateway.errors import GatewayError, NotFound, error_body, openai_error_resp
 from gateway.front import Front
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestIdMiddleware
+from gateway.pacer import Pacer
 from gateway.recording import SETTLE_S, Recorder
 from gateway.routes import ROUTES
 from gateway.runtime import Runtime, Snapshot
@@ -187,29 +188,6 @@ def create_app(
             lifespan=lifespan,
         )
     )
-
-
-class Pacer:
-    """A background loop's pause: its interval, read from the live config. A reload wakes
-    it (:meth:`wake`), so a changed interval counts at once from when the pause began,
-    instead of after the old interval has run out."""
-
-    def __init__(self, interval_s: Callable[[], float]) -> None:
-        self._interval_s = interval_s
-        self._wake = anyio.Event()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    async def sleep(self) -> None:
-        start = anyio.current_time()
-        while True:
-            self._wake = anyio.Event()  # the interval is read after: no wake is lost
-            left = start + self._interval_s() - anyio.current_time()
-            if left <= 0:
-                return
-            with anyio.move_on_after(left):
-                await self._wake.wait()
 
 
 async def control_loop(runtime: Runtime, pacer: Pacer) -> None:

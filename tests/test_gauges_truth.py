@@ -108,6 +108,18 @@ def held_stream() -> dict[str, Any]:
     }
 
 
+def held_stream_thread(gw: Gateway, done: list[int]) -> threading.Thread:
+    """A thread (not started) streaming one :func:`held_stream`; its status goes to ``done``."""
+
+    def stream_one() -> None:
+        url = gw.url + "/v1/chat/completions"
+        with httpx.stream("POST", url, json=held_stream(), timeout=30) as r:
+            r.read()
+            done.append(r.status_code)
+
+    return threading.Thread(target=stream_one)
+
+
 def plain_answer() -> dict[str, Any]:
     body = json.dumps(
         {
@@ -210,13 +222,7 @@ def test_a_backend_removed_and_added_back_while_draining_keeps_one_series_set(
     gw = start_gateway(tmp_path, config)
     done: list[int] = []
 
-    def stream_one() -> None:
-        url = gw.url + "/v1/chat/completions"
-        with httpx.stream("POST", url, json=held_stream(), timeout=30) as r:
-            r.read()
-            done.append(r.status_code)
-
-    thread = threading.Thread(target=stream_one)
+    thread = held_stream_thread(gw, done)
     try:
         assert httpx.post(gw.url + "/v1/chat/completions", json=plain_answer(), timeout=10)
         thread.start()
@@ -252,13 +258,7 @@ def test_a_backend_moved_to_another_pool_keeps_counting_its_requests(tmp_path: P
     gw = start_gateway(tmp_path, config)
     done: list[int] = []
 
-    def stream_one() -> None:
-        url = gw.url + "/v1/chat/completions"
-        with httpx.stream("POST", url, json=held_stream(), timeout=30) as r:
-            r.read()
-            done.append(r.status_code)
-
-    thread = threading.Thread(target=stream_one)
+    thread = held_stream_thread(gw, done)
     try:
         assert httpx.post(gw.url + "/v1/chat/completions", json=plain_answer(), timeout=10)
         thread.start()
@@ -415,18 +415,12 @@ def test_a_re_addressed_backends_draining_replica_outlives_later_reloads(tmp_pat
     gw = start_gateway(tmp_path, config)
     done: list[int] = []
 
-    def stream_one() -> None:
-        url = gw.url + "/v1/chat/completions"
-        with httpx.stream("POST", url, json=held_stream(), timeout=30) as r:
-            r.read()
-            done.append(r.status_code)
-
     def reload(backends: list[dict[str, Any]]) -> list[tuple[str, int, bool]]:
         gw.write_config({**config, "backends": backends})
         assert httpx.post(gw.url + "/admin/reload", timeout=5).json()["ok"] is True
         return [(b["name"], b["in_flight"], b["draining"]) for b in gw.state()["backends"]]
 
-    thread = threading.Thread(target=stream_one)
+    thread = held_stream_thread(gw, done)
     moved = [raw_backend("b", second.url, "gone")]
     try:
         thread.start()
