@@ -330,11 +330,13 @@ async def _admit(
         return await runtime.admission(pool).acquire(
             pick, priority=priority, deadline=deadline, could_use=could_use
         )
-    except (QueueFull, QueueTimeout, NoHealthyBackend, ShuttingDown) as exc:
+    except (QueueFull, QueueTimeout) as exc:
         if tried:  # a retry: the request was admitted once, it is no shed
             raise _NoRoomToRetry from exc
-        if isinstance(exc, QueueFull | QueueTimeout):
-            raise _refusal(runtime, pool, exc) from exc
+        raise _refusal(runtime, pool, exc) from exc
+    except (NoHealthyBackend, ShuttingDown) as exc:
+        if tried:  # as above: the client hears of the failure it had
+            raise _NoRoomToRetry from exc
         raise _unavailable(runtime, pool, exc) from exc
 
 

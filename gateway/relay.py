@@ -175,11 +175,9 @@ class StreamRelay:
             return "upstream_error"
         return "client_error" if meter.client_error else "ok"
 
-    async def _give_up_framing(
-        self, framer: SSEFramer, whole: bytes, events: list[bytes], send: Send
-    ) -> None:
-        """Relay the held event's bytes and the rest of the stream as they come: it is
-        no longer timed, and a usage chunk in it is no longer dropped."""
+    def _stop_framing(self, framer: SSEFramer) -> bytes:
+        """The held event's bytes, to go out as they are, and so the rest of the stream:
+        no longer timed, and a usage chunk in it no longer dropped."""
         log.warning(
             "backend sent an SSE event over %d bytes without its end; "
             "relaying the rest of this stream unframed",
@@ -187,14 +185,7 @@ class StreamRelay:
         )
         self.events = False
         self._unframed = True
-        if events:
-            kept = self.meter.observe(events)
-            if self.meter.done:
-                self._record(StreamEnd(self._status(), self.meter))
-            if kept is not None:
-                whole = framer.join(kept)
-        held = whole + framer.take_pending()
-        await send({"type": "http.response.body", "body": held, "more_body": True})
+        return framer.take_pending()
 
     def _record(self, end: StreamEnd) -> None:
         if self._recorded is None:
@@ -228,22 +219,19 @@ class StreamRelay:
                 # error event never lands inside a half-sent one. The bytes are the
                 # backend's; a read of whole events, nothing dropped, goes out as it came.
                 whole, events = framer.feed(chunk)
+                if events:
+                    kept = meter.observe(events)
+                    if meter.done and self._recorded is None:
+                        # This write gives the client all it will get: the SDK stops
+                        # reading at [DONE] and may read /metrics at once, while the
+                        # backend can take a while longer to end its body.
+                        self._record(StreamEnd(self._status(), meter))
+                    if kept is not None:
+                        whole = framer.join(kept)
                 if len(framer.pending) > MAX_HELD_EVENT_BYTES:
-                    await self._give_up_framing(framer, whole, events, send)
-                    continue
-                if not events:
-                    continue
-                kept = meter.observe(events)
-                if meter.done and self._recorded is None:
-                    # This write gives the client all it will get: the SDK stops reading
-                    # at [DONE] and may read /metrics at once, while the backend can
-                    # take a while longer to end its body.
-                    self._record(StreamEnd(self._status(), meter))
-                if kept is not None:
-                    whole = framer.join(kept)
-                    if not whole:
-                        continue
-                await send({"type": "http.response.body", "body": whole, "more_body": True})
+                    whole += self._stop_framing(framer)
+                if whole:
+                    await send({"type": "http.response.body", "body": whole, "more_body": True})
         except httpx.HTTPError as exc:
             message = f"upstream failed mid-stream: {type(exc).__name__}: {exc}".rstrip(": ")
             timed_out = isinstance(exc, httpx.TimeoutException)
