@@ -3,7 +3,8 @@
 Each round probes every replica of the current snapshot concurrently. A replica
 that has no configured models gets them from its ``/v1/models`` on each
 successful probe, so a backend that changes what it serves is followed; the
-context length (``max_model_len``) is learned there too unless configured.
+context length (``max_model_len``) is learned there too on each probe, unless
+configured.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ async def probe(client: httpx.AsyncClient, replica: Replica, config: HealthConfi
             replica.learn_models(models.json())
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return False
-    if replica.config.models and replica.max_model_len is None:  # best effort
+    # Best effort, and on every probe: an engine redeployed at the same address with
+    # another --max-model-len is followed (learnt once, a grown context stayed refused).
+    if replica.config.models and replica.config.max_model_len is None:
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
             models = await client.get(
                 replica.url + "/v1/models", headers=headers, timeout=config.timeout_s

@@ -58,19 +58,26 @@ def samples(text: str, names: tuple[str, ...]) -> Iterator[tuple[str, str, float
 
 
 def parse_engine_gauges(text: str, names: EngineMetricNames, now: float) -> EngineGauges:
+    """Data-parallel ranks report one series each: requests add up across them, and
+    the KV cache usage is their mean, the share of the backend's whole cache in use
+    (ranks hold equal caches), so that it stays a fraction."""
     wanted = names.running + names.waiting + names.kv_usage
     totals: dict[str, float] = {}
+    series: dict[str, int] = {}
     for name, _, value in samples(text, wanted):
-        # Several engines (data-parallel ranks) report one series each.
         totals[name] = totals.get(name, 0.0) + value
+        series[name] = series.get(name, 0) + 1
 
     def first(candidates: tuple[str, ...]) -> float | None:
         return next((totals[n] for n in candidates if n in totals), None)
 
+    def mean(candidates: tuple[str, ...]) -> float | None:
+        return next((totals[n] / series[n] for n in candidates if n in totals), None)
+
     return EngineGauges(
         running=first(names.running),
         waiting=first(names.waiting),
-        kv_usage=first(names.kv_usage),
+        kv_usage=mean(names.kv_usage),
         scraped_at=now,
     )
 

@@ -104,6 +104,12 @@ def _sim(args: argparse.Namespace) -> int:
         print(calibration_table())
         return 0
     try:
+        if args.profile and args.engine is not None:
+            from backends.sim.profiles import engine_conflict
+
+            if why := engine_conflict(args.profile, args.engine):
+                print(f"kneecap sim: {why}", file=sys.stderr)
+                return 2
         engine = make_engine(
             model=args.model,
             profile=args.profile,
@@ -111,7 +117,7 @@ def _sim(args: argparse.Namespace) -> int:
             itl_ms=args.itl_ms,
             speed=args.speed,
             seed=args.seed,
-            flavor=args.engine,
+            flavor=args.engine or "vllm",
         )
     except (KeyError, ValueError) as exc:  # an unknown profile, a profile's bad knob
         print(f"kneecap sim: {exc.args[0] if exc.args else exc}", file=sys.stderr)
@@ -171,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", help="listen address (overrides config)")
     serve.add_argument("--port", type=_port, help="listen port (overrides config)")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace")
+    )
     serve.set_defaults(func=_serve)
 
     sim = sub.add_parser("sim", help="run a simulated vLLM/SGLang backend")
@@ -185,7 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--speed", type=_positive, default=1.0, help="run K times faster than real time"
     )
     sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="metric names")
+    sim.add_argument(
+        "--engine",
+        choices=["vllm", "sglang"],
+        help="metric names (default: the profile's engine, else vllm)",
+    )
     sim.add_argument("--list-profiles", action="store_true")
     sim.add_argument("--calibrate", action="store_true", help="print simulator vs field figures")
     sim.set_defaults(func=_sim)

@@ -306,6 +306,17 @@ class GatewayMetrics:
                         tally[backend] += sample.value
         return tally
 
+    def rejections(self) -> dict[str, float]:
+        """Rejections counted so far per pool, for every pool with series. Read at scrape
+        time, so requests pay nothing for it; it only grows while the pool's series live."""
+        tally: dict[str, float] = {}
+        for family in self.rejected.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    pool = sample.labels["pool"]
+                    tally[pool] = tally.get(pool, 0.0) + sample.value
+        return tally
+
     def _new_series(self, key: _SeriesKey) -> _Series:
         series = _Series(
             ttft=self.ttft.labels(*key),

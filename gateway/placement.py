@@ -9,7 +9,12 @@ output too when there are any. :func:`make_pick` is the ``pick()`` admission
 calls, each time capacity may have appeared: it turns live replicas into
 :class:`~policies.routing.Load` values, lets the pool's router choose, and
 returns a :class:`~policies.token_budget.Claim` (a permit plus the request's
-tokens) on the chosen replica.
+tokens, at most what its sequences can hold in that replica's context) on the
+chosen replica.
+
+A request's tokens are its prompt plus, for each sequence the engine runs (each
+prompt of a batch, ``n`` times), its maximum output; an embedding has no output,
+and needs no context room beyond its input.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -31,16 +36,18 @@ from gateway.tokens import Estimate, tokenize_on_backend
 from policies.admission import NoHealthyBackend
 from policies.long_context import (
     FIRST_TOKEN,
+    ContextFit,
     PoolPlan,
     choose_across_pools,
+    context_fit,
     exceeds_every_context,
-    fits_context,
-    output_to_hold,
     plan_pools,
 )
 from policies.prompt_size import PromptShape, output_tokens, shape_of
 from policies.routing import RouteRequest
 from policies.token_budget import Claim
+
+EMBEDDINGS = "/v1/embeddings"  # no output: its input may fill the context
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,27 +58,34 @@ class Route:
     plan: PoolPlan
     shape: PromptShape
     estimate: Estimate
-    # Output tokens the context must hold besides the prompt: the requested output where
-    # a healthy replica holds it all, else one (the engine then decides about the rest).
-    context_tokens: int
-    cost: int  # prompt + max output tokens: its share of a token budget
+    # What a replica's context must hold: the prompt and the requested output where a
+    # healthy replica holds both, else what an engine needs to start it.
+    fit: ContextFit
+    requested_output: int  # max_tokens as asked, 0 when not: to plan the route again
+    least_output: int  # what an engine needs besides the prompt: one token, for embeddings none
+    cost: int  # prompt + max output of each sequence: its share of a token budget
     session: str | None
-    # The fewest tokens the longest sequence may have: what a context must hold.
-    longest_prompt: int
+    # Some replica listed the model when it was planned (else only replicas a reload
+    # added without `models` and not probed yet may serve it).
+    listed: bool
 
     def could_serve(self, replica: Replica, tried: set[str]) -> bool:
-        """Its model, not tried already, context enough; health and pool aside."""
-        return self.model in replica.models and replica.name not in tried and self.fits(replica)
-
-    def fits(self, replica: Replica) -> bool:
-        """The replica's context can hold the prompt and the output this route asks for."""
-        return fits_context(
-            replica.max_model_len, self.longest_prompt, self.context_tokens, self.estimate.exact
+        """Its model (or may be), not tried already, context enough; health, pool aside."""
+        return (
+            may_serve(replica, self.model)
+            and replica.name not in tried
+            and self.fit.holds(replica.max_model_len)
         )
 
     @property
     def pools(self) -> tuple[str, ...]:
         return (self.plan.home, *self.plan.lenders)
+
+
+def may_serve(replica: Replica, model: str) -> bool:
+    """It serves ``model``, or may: added by a reload without ``models`` and not probed
+    yet, it has not said what it serves (requests wait for that first verdict)."""
+    return model in replica.models or (not replica.probed and not replica.config.models)
 
 
 def candidates(runtime: Runtime, pool: str, route: Route, tried: set[str]) -> list[Replica]:
@@ -131,17 +145,25 @@ async def _estimate(
     return runtime.routing.estimate_locally(model, shape, settings.routing)
 
 
+def _servers(runtime: Runtime, model: str) -> tuple[list[Replica], bool]:
+    """The replicas that serve ``model`` or may (see :func:`may_serve`), and whether any
+    listed it; 404 when none may."""
+    serving = [r for r in runtime.current.backends.replicas if may_serve(r, model)]
+    if not serving:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    return serving, any(model in r.models for r in serving)
+
+
 async def plan_route(
-    runtime: Runtime, payload: Mapping[str, Any], headers: Mapping[str, str]
+    runtime: Runtime, payload: Mapping[str, Any], headers: Mapping[str, str], endpoint: str
 ) -> Route:
     """Estimate the prompt, refuse what no context could start, plan the pools."""
-    settings = runtime.current.settings
+    snapshot = runtime.current
+    settings = snapshot.settings
     routing = settings.routing
     runtime.routing.configure(routing)
     model = payload["model"]
-    serving = runtime.current.backends.serving(model)
-    if not serving:
-        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    serving, listed = _servers(runtime, model)
     # Replicas a reload just added are not probed yet; they may well be up.
     healthy = [r for r in serving if r.healthy or not r.probed]
     shape = shape_of(payload)
@@ -150,43 +172,107 @@ async def plan_route(
         runtime.recorder.rejected(_pool_by_length(settings, serving, estimate), "no_backend")
         raise Unavailable(f"no healthy backend serves model `{model}`")
     estimate = await _estimate(runtime, payload, shape, serving)
-    explicit = output_tokens(payload, 0)
+    if runtime.current is not snapshot:
+        # A reload while the prompt was counted (on a backend's /tokenize, in a tokenizer
+        # thread): planned on the pools and replicas there are now, not on removed ones.
+        settings = runtime.current.settings
+        serving, listed = _servers(runtime, model)
+        healthy = [r for r in serving if r.healthy or not r.probed]
+        if not healthy:
+            runtime.recorder.rejected(_pool_by_length(settings, serving, estimate), "no_backend")
+            raise Unavailable(f"no healthy backend serves model `{model}`")
+    embedding = endpoint == EMBEDDINGS
+    # An embedding has no output: an engine takes an input as long as its context.
+    least_output = 0 if embedding else FIRST_TOKEN
+    explicit = 0 if embedding else output_tokens(payload, 0)
     # Each sequence of a batch (a list of prompts or inputs) has a context of its own.
     longest = math.ceil(estimate.fewest * shape.longest_share)
     lengths = [r.max_model_len for r in serving]
     # Only what no engine could start is refused here: prompt + max_tokens over the
     # context is the engine's to judge (it stops the output there, or answers its own 400).
-    if exceeds_every_context(lengths, longest, FIRST_TOKEN, estimate.exact):
-        raise _prompt_too_long(payload, lengths, longest, estimate.exact)
-    context_tokens = output_to_hold(
-        (r.max_model_len for r in healthy), longest, max(FIRST_TOKEN, explicit), estimate.exact
-    )
-    spill = routing.spill
-    holding = {
-        r.pool
-        for r in healthy
-        if fits_context(r.max_model_len, longest, context_tokens, estimate.exact)
-    }
-    plan = plan_pools(
-        settings.pools,
-        holding,
-        math.ceil(estimate.tokens * shape.longest_share),  # the pools split sequence lengths
-        to_longer=spill.to_longer,
-        to_shorter=spill.to_shorter,
-    )
+    if exceeds_every_context(lengths, longest, least_output, estimate.exact):
+        raise _prompt_too_long(payload, lengths, longest, estimate.exact, embedding)
+    fit, plan = _place(settings, healthy, estimate, shape.longest_share, explicit, least_output)
     if plan is None:
         runtime.recorder.rejected(_pool_by_length(settings, serving, estimate), "no_backend")
         raise Unavailable(f"no healthy backend of `{model}` has the context for this prompt")
+    output = 0 if embedding else explicit or routing.token_budget.default_output_tokens
     return Route(
         model=model,
         plan=plan,
         shape=shape,
         estimate=estimate,
-        context_tokens=context_tokens,
-        cost=estimate.tokens + (explicit or routing.token_budget.default_output_tokens),
+        fit=fit,
+        requested_output=explicit,
+        least_output=least_output,
+        cost=estimate.tokens + shape.sequences * output,
         session=session_of(headers, payload, routing),
-        longest_prompt=longest,
+        listed=listed,
     )
+
+
+def _place(
+    settings: Settings,
+    healthy: list[Replica],
+    estimate: Estimate,
+    longest_share: float,
+    requested_output: int,
+    least_output: int,
+) -> tuple[ContextFit, PoolPlan | None]:
+    """What a context must hold and the pool plan, among ``healthy`` replicas (healthy,
+    or not probed yet): for a new request, and for a waiter planned again."""
+    # The longest sequence as estimated (the pools split sequence lengths; a context
+    # that holds it and the output is preferred), and the fewest tokens it may have.
+    likely = math.ceil(estimate.tokens * longest_share)
+    fit = context_fit(
+        [r.max_model_len for r in healthy],
+        likely,
+        math.ceil(estimate.fewest * longest_share),
+        requested_output,
+        least_output,
+        estimate.exact,
+    )
+    spill = settings.routing.spill
+    holding = {r.pool for r in healthy if fit.holds(r.max_model_len)}
+    plan = plan_pools(
+        settings.pools,
+        holding,
+        likely,
+        to_longer=spill.to_longer,
+        to_shorter=spill.to_shorter,
+    )
+    return fit, plan
+
+
+def live_route(runtime: Runtime, route: Route, tried: set[str]) -> Route | None:
+    """The route as it stands now: the same while its home pool has a replica that could
+    serve it (healthy, or added and not probed yet); else planned again, as a request
+    arriving now would be, among the replicas it has not tried. None: nothing can serve
+    it any more. A waiter is never left to sleep on a pool that lost its backends (a
+    crash, a reload that removed or re-addressed them) nor on a pool a reload removed."""
+    home = route.plan.home
+    if any(
+        (r.healthy or not r.probed) and route.could_serve(r, tried)
+        for r in runtime.current.backends.in_pool(home)
+    ):
+        return route
+    settings = runtime.current.settings
+    healthy = [
+        r
+        for r in runtime.current.backends.replicas
+        if (r.healthy or not r.probed) and r.name not in tried and may_serve(r, route.model)
+    ]
+    fit, plan = _place(
+        settings,
+        healthy,
+        route.estimate,
+        route.shape.longest_share,
+        route.requested_output,
+        route.least_output,
+    )
+    if plan is None:
+        return None
+    return replace(route, plan=plan, fit=fit)
 
 
 def _pool_by_length(settings: Settings, serving: list[Replica], estimate: Estimate) -> str:
@@ -196,11 +282,22 @@ def _pool_by_length(settings: Settings, serving: list[Replica], estimate: Estima
 
 
 def _prompt_too_long(
-    payload: Mapping[str, Any], lengths: list[int | None], prompt_tokens: int, exact: bool
+    payload: Mapping[str, Any],
+    lengths: list[int | None],
+    prompt_tokens: int,
+    exact: bool,
+    embedding: bool,
 ) -> ContextLengthExceeded:
     """The gateway's own refusal speaks of the prompt only: what it is refused for."""
     largest = max(n for n in lengths if n is not None)
     about = "" if exact else "about "
+    if embedding:  # vLLM's words for an input over the context
+        return ContextLengthExceeded(
+            f"This model's maximum context length is {largest} tokens. However, you requested "
+            f"{about}{prompt_tokens} tokens in the input for embedding generation. Please "
+            "reduce the length of the input.",
+            param=_prompt_param(payload),
+        )
     return ContextLengthExceeded(
         f"This model's maximum context length is {largest} tokens. However, you requested "
         f"{about}{prompt_tokens} tokens in the prompt, which leaves no room for output.",
@@ -229,32 +326,49 @@ def make_could_use(route: Route, tried: set[str]) -> Callable[[Claim[Replica]], 
 def make_pick(
     runtime: Runtime, route: Route, tried: set[str]
 ) -> Callable[[], Claim[Replica] | None]:
-    """The router for admission: home pool first, then lenders' idle headroom."""
+    """The router for admission: home pool first, then lenders' idle headroom.
+
+    The request waits in its home pool's queue. Should that pool lose every replica that
+    could serve it while it waits, it is planned again (:func:`live_route`): served where
+    a request arriving now would be, behind that pool's own waiters, or refused at once
+    (NoHealthyBackend) when nothing serves it any more."""
     config = runtime.current.settings.routing
     request = RouteRequest(cost=route.cost, session=route.session)
+    sequences = route.shape.sequences
+    waits_in = route.plan.home
+
+    def queued(pool: str) -> int:
+        admission = runtime.admissions.get(pool)  # a pool a reload removed has no queue
+        return admission.depth() if admission is not None else 0
 
     def pick() -> Claim[Replica] | None:
         # Read the live snapshot each time: a waiter must see replicas readmitted
         # or added while it queued, and fail fast when none is left.
         settings = runtime.current.settings
         mono = time.monotonic()
-        replicas = {pool: candidates(runtime, pool, route, tried) for pool in route.pools}
-        if not any(replicas.values()):
-            if awaiting_probe(runtime, route, tried):
-                return None
-            pools = "`, `".join(route.pools)
-            raise NoHealthyBackend(f"no healthy backend in pool `{pools}` serves `{route.model}`")
+        live = live_route(runtime, route, tried)
+        if live is None:
+            if not route.listed and not any(
+                may_serve(r, route.model) for r in runtime.current.backends.replicas
+            ):  # it waited for new replicas' first verdicts, and none serves the model
+                raise ModelNotFound(f"The model `{route.model}` does not exist.", param="model")
+            raise NoHealthyBackend(f"no healthy backend serves `{route.model}` for this request")
+        # A route has a replica healthy or awaiting its first probe in its home pool: with
+        # no candidate at all, it waits for that probe's verdict (a round starts at once).
+        replicas = {pool: candidates(runtime, pool, live, tried) for pool in live.pools}
         chosen = choose_across_pools(
-            route.plan,
+            live.plan,
             request,
-            loads=lambda pool: [load_of(r, settings, mono) for r in replicas[pool]],
+            loads=lambda pool: [load_of(r, settings, mono, sequences) for r in replicas[pool]],
             router=lambda pool: runtime.routing.router(pool, config),
-            queued=lambda pool: runtime.admission(pool).depth(),
+            queued=queued,
             max_load=config.spill.max_load,
+            waits_in=waits_in,
         )
         if chosen is None:
             return None
         pool, load = chosen
-        return Claim(next(r for r in replicas[pool] if r.name == load.name), route.cost)
+        replica = next(r for r in replicas[pool] if r.name == load.name)
+        return Claim(replica, load.cost_of(route.cost))  # at most its sequences' contexts
 
     return pick

@@ -97,17 +97,19 @@ class ProxyRequest:
 
 
 def _priority(request: ProxyRequest) -> Priority:
-    """The header's class, else the API key's."""
+    """The API key's class, or the header's where that is lower: a client may yield to
+    others, but a key the operator made ``batch`` cannot make itself ``interactive``."""
+    keyed = _PRIORITIES[request.key_priority]
     value = request.headers.get(_PRIORITY_HEADER)
     if value is None:
-        return _PRIORITIES[request.key_priority]
+        return keyed
     priority = _PRIORITIES.get(value.strip().lower())
     if priority is None:
         raise InvalidRequest(
             f"{_PRIORITY_HEADER} must be one of {', '.join(_PRIORITIES)}, got {value!r}",
             code="invalid_priority",
         )
-    return priority
+    return max(priority, keyed)
 
 
 def _max_queue_wait(request: ProxyRequest, pool: PoolConfig) -> float:
@@ -208,8 +210,8 @@ def _status_of(error: Exception) -> RequestStatus:
 
 
 async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | StreamRelay:
-    settings = runtime.current.settings
-    route = await plan_route(runtime, request.payload, request.headers)
+    route = await plan_route(runtime, request.payload, request.headers, request.endpoint)
+    settings = runtime.current.settings  # read after planning, which may have awaited
     pool = route.plan.home
     streaming = request.payload.get("stream") is True
     strip_usage = _prepare_stream(request) if streaming else False
@@ -285,7 +287,10 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             replica.record_failure(settings.health.failure_threshold)
             last_error = UpstreamError(f"backend {replica.name} answered {upstream.status_code}")
             continue
-        replica.record_success()
+        if upstream.status_code >= 500:  # relayed, as no other replica is left to try
+            replica.record_failure(settings.health.failure_threshold)
+        else:
+            replica.record_success()
         extra = {"x-kneecap-backend": replica.name}  # the request id is the front's to stamp
         if streaming and upstream.status_code == 200:
             meter = StreamMeter(

@@ -53,12 +53,14 @@ async def tokenize(request: Request) -> Response:
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
     model = payload.get("model")
-    if not isinstance(model, str) or not model:
+    if model in (None, ""):
         raise InvalidRequest(
             "you must provide the `model` parameter",
             param="model",
             code="missing_required_parameter",
         )
+    if not isinstance(model, str):  # as on /v1/*
+        raise InvalidRequest("`model` must be a string", param="model", code="invalid_type")
     serving = runtime.current.backends.serving(model)
     if not serving:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")

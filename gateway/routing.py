@@ -53,8 +53,11 @@ def token_limit_of(replica: Replica, config: RoutingConfig) -> int | None:
     )
 
 
-def load_of(replica: Replica, settings: Settings, mono: float) -> Load:
+def load_of(replica: Replica, settings: Settings, mono: float, sequences: int = 1) -> Load:
+    """The replica as a router sees it, for a request of ``sequences`` sequences: each
+    holds at most the replica's context, which caps the request's tokens there."""
     engine = replica.fresh_engine(mono, settings.measurement.scrape_staleness_s)
+    context = replica.max_model_len
     return Load(
         name=replica.name,
         in_flight=replica.in_flight,
@@ -63,6 +66,7 @@ def load_of(replica: Replica, settings: Settings, mono: float) -> Load:
         token_limit=token_limit_of(replica, settings.routing),
         waiting=None if engine is None else engine.waiting,
         kv_usage=None if engine is None else engine.kv_usage,
+        cost_cap=None if context is None else sequences * context,
     )
 
 

@@ -107,6 +107,9 @@ class Runtime:
     _drained: dict[str, list[Replica]] = field(default_factory=dict)
     # Those the last exposition showed drained, and their requests and retries counted then.
     _shown_drained: dict[str, tuple[list[Replica], float]] = field(default_factory=dict)
+    # Rejections per pool as the last exposition showed them: a removed pool's series go
+    # once an exposition has shown all that was counted on them.
+    _rejections_shown: dict[str, float] = field(default_factory=dict)
     # What the process started with: the keys only a restart applies are compared to it.
     _at_startup: Settings | None = None
 
@@ -121,7 +124,10 @@ class Runtime:
         self.limits.sync(self.current.backends.replicas, lambda r: settings.limit_of(r.config))
 
     def control_tick(self) -> None:
-        """One round of limit control; queued requests retry when a limit rose."""
+        """One round of limit control; queued requests retry when a limit rose, and those
+        of any pool still waiting try again each tick: a waiter's chances may change with
+        no event in its own pool to say so (a replica ejected by failed requests, which no
+        probe announces; a release in the pool it was planned onto or borrows from)."""
         self.recorder.flush()  # the windows the controllers read
         now, mono = time.perf_counter(), time.monotonic()
         staleness = self.current.settings.measurement.scrape_staleness_s
@@ -133,8 +139,10 @@ class Runtime:
             admission = self.admissions.get(replica.pool)
             return admission.depth() if admission else 0
 
-        if self.limits.tick(self.current.backends.replicas, now, engine_of, demand):
-            self.notify()
+        changed = self.limits.tick(self.current.backends.replicas, now, engine_of, demand)
+        for admission in list(self.admissions.values()):
+            if changed or admission.depth():
+                admission.notify()
 
     @property
     def metrics(self) -> GatewayMetrics:
@@ -174,6 +182,7 @@ class Runtime:
         self.recorder.flush()
         self._expire_drained()
         self._drop_removed_pools()  # a removed pool whose last request ended goes
+        self._expire_removed_pools()
         now, mono = time.perf_counter(), time.monotonic()
         staleness = self.current.settings.measurement.scrape_staleness_s
         for name, replicas in self._replicas_by_name().items():
@@ -251,22 +260,40 @@ class Runtime:
 
     def _drop_removed_pools(self) -> None:
         """A removed pool's queue is served (or refused) by the notify that follows a
-        reload; the pool goes once nothing waits in it and no lease of it is held."""
+        reload; the pool goes once nothing waits in it and no lease of it is held. Its
+        series stay until an exposition has shown them (:meth:`_expire_removed_pools`)."""
         pools = self.current.settings.pools
         for name in [n for n in self.admissions if n not in pools]:
             admission = self.admissions[name]
             if admission.depth() == 0 and admission.leased == 0:
                 admission.close()
                 del self.admissions[name]
-                self.metrics.remove_pool(name, [p.name.lower() for p in Priority])
+
+    def _expire_removed_pools(self) -> None:
+        """Series of a pool no longer configured and whose queue is gone: they go once an
+        exposition has shown every rejection counted on them (at once, when the last one
+        did); until then they are shown with an empty queue. Run before each exposition."""
+        counted = self.metrics.rejections()
+        for pool in counted.keys() - self.current.settings.pools.keys() - self.admissions.keys():
+            priorities = [p.name.lower() for p in Priority]
+            if counted[pool] == self._rejections_shown.get(pool, 0.0):
+                self.metrics.remove_pool(pool, priorities)
+                del counted[pool]
+            else:  # counted since: refused waiters of its last queue, a late refusal
+                for priority in priorities:
+                    self.metrics.set_queue_depth(pool, priority, 0)
+        self._rejections_shown = counted
 
     def notify(self, replica: Replica | None = None) -> None:
-        """Capacity may have changed: queued requests try again."""
-        if replica is not None and replica.pool in self.admissions:
-            self.admissions[replica.pool].notify()
-            return
-        for admission in self.admissions.values():
-            admission.notify()
+        """Capacity may have changed: queued requests try again. A replica's own pool
+        first, then the others: their waiters may borrow from it, or, their own pool having
+        lost its replicas, be planned onto or away from it."""
+        first = self.admissions.get(replica.pool) if replica is not None else None
+        if first is not None:
+            first.notify()
+        for admission in list(self.admissions.values()):
+            if admission is not first:
+                admission.notify()
 
     def apply(self, settings: Settings) -> ReloadResult:
         unknown_sims = [

@@ -59,6 +59,20 @@ class SimConfig(Frozen):
         return self
 
 
+def _sim_profile(sim: Any) -> Any:
+    """The named simulator profile of a ``sim`` block (mapping or model), if it names a
+    known one; unknown names are SimConfig's to refuse."""
+    name = sim.get("profile") if isinstance(sim, dict) else getattr(sim, "profile", None)
+    if not isinstance(name, str):
+        return None
+    from backends.sim.profiles import get_profile  # the simulator, only when named
+
+    try:
+        return get_profile(name)
+    except KeyError:
+        return None
+
+
 class BackendConfig(Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     url: str | None = None  # filled in for `sim` backends once they listen
@@ -74,6 +88,28 @@ class BackendConfig(Frozen):
     # Prompt + max output tokens admitted at once; None → from the KV capacity when
     # known (simulated profiles), else routing.token_budget.default_max_tokens_in_flight.
     max_tokens_in_flight: int | None = Field(None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_of_the_profile(cls, data: Any) -> Any:
+        """A simulated profile names its engine (``…/vllm``, ``…/sglang``): unless said
+        otherwise, the backend is that engine, so its /metrics names are the ones read."""
+        if isinstance(data, dict) and "engine" not in data:
+            profile = _sim_profile(data.get("sim"))
+            if profile is not None:
+                return {**data, "engine": profile.flavor}
+        return data
+
+    @model_validator(mode="after")
+    def _engine_matches_the_profile(self) -> BackendConfig:
+        profile = _sim_profile(self.sim)
+        if profile is not None and profile.flavor != self.engine:
+            raise ValueError(
+                f"engine {self.engine!r} contradicts sim profile {self.sim.profile!r} "  # type: ignore[union-attr]
+                f"(a {profile.flavor} engine): its /metrics would not be read; "
+                f"set `engine: {profile.flavor}` or leave `engine` out"
+            )
+        return self
 
     @model_validator(mode="after")
     def _url_or_sim(self) -> BackendConfig:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 
 from policies.prompt_size import PromptShape
@@ -104,7 +105,10 @@ class CharsPerToken:
 
     def estimate_with_floor(self, model: str, shape: PromptShape) -> Estimate:
         """The estimate, and as its floor the count at the calibrated ratio or the prior,
-        whichever counts fewer: one ratio lookup, one count when they agree."""
+        whichever counts fewer: one ratio lookup, one count when they agree. A prompt of
+        token ids only (no text, no chat template) is counted, not estimated: exact."""
+        if not shape.texts and not shape.messages and shape.token_ids:
+            return Estimate(shape.token_ids, exact=True)
         ratio = self.chars_per_token(model)
         tokens = self._at(ratio, shape)
         floor = self._at(self.prior, shape) if ratio < self.prior else tokens
@@ -181,16 +185,21 @@ async def tokenize_on_backend(
     else:
         body["prompt"] = payload.get("prompt", payload.get("input", ""))
     try:
-        response = await client.post(
-            url + "/tokenize", json=body, headers=dict(headers), timeout=timeout_s
-        )
+        # A deadline for the whole call: httpx's timeout bounds each read, and a backend
+        # dripping its answer a byte at a time would hold the request for far longer.
+        with anyio.fail_after(timeout_s):
+            response = await client.post(
+                url + "/tokenize", json=body, headers=dict(headers), timeout=timeout_s
+            )
         if response.status_code != 200:
             return None
         answer = response.json()
         count = answer["count"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+    except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError):
         return None
-    if not isinstance(count, int):
+    # The answer is untrusted input: a count that is no count is no answer.
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         return None
     length = answer.get("max_model_len")
-    return Tokenized(count, length if isinstance(length, int) else None)
+    usable = isinstance(length, int) and not isinstance(length, bool) and length > 0
+    return Tokenized(count, length if usable else None)

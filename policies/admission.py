@@ -187,7 +187,12 @@ class PoolAdmission(Generic[T]):
         return len(self._queue) if priority is None else self._queue.depth(priority)
 
     def retry_after(self) -> float:
-        """Seconds until a request joining now would likely be served, within [1, 60]."""
+        """Seconds until a request joining now would likely be served, within [1, 60].
+
+        The drain rate is measured since the pool last became busy (within the drain
+        window): time it sat idle says nothing about how fast it drains, and counted
+        as draining nothing it told the first clients of a burst to wait up to a
+        minute for a queue that emptied in seconds."""
         now = self._clock()
         self._forget_releases(now)
         elapsed = min(self._drain_window_s, now - self._started)
@@ -320,9 +325,12 @@ class PoolAdmission(Generic[T]):
             return self._make_lease(waiter.backend, waiter.granted_at - waiter.enqueued_at)
         if waiter.error is not None:
             raise waiter.error
-        # Timed out by anyio's timer before any dispatch noticed the deadline.
-        self._queue.remove(waiter, waiter.priority)
-        raise self._timeout(self._clock() - waiter.enqueued_at)
+        # Timed out by anyio's timer before any dispatch noticed the deadline. Every
+        # waiter overdue by now leaves in the same pass, so each one's Retry-After counts
+        # the queue behind it, not the others leaving with it.
+        self._expire(max(self._clock(), waiter.deadline))
+        assert waiter.error is not None
+        raise waiter.error
 
     def _abandon(self, waiter: _Waiter[T]) -> None:
         if waiter.backend is not None:
@@ -335,6 +343,9 @@ class PoolAdmission(Generic[T]):
             self._queue.remove(waiter, waiter.priority)
 
     def _take(self, backend: T) -> None:
+        if not self._leased and not len(self._queue):  # idle until now: a busy spell starts
+            self._started = self._clock()
+            self._releases.clear()
         backend.in_flight += 1
         self._leased += 1
 

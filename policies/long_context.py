@@ -1,9 +1,10 @@
 """Which pool a prompt belongs to, which pools may lend it headroom, and what never fits.
 
-What never fits is a prompt that leaves no context room for one output token: an engine
-starts anything else. The requested output (``max_tokens``) only steers: replicas whose
-context holds it all are preferred (:func:`output_to_hold`); when none does, the engine
-decides (it stops the output at its context, or refuses in its own words).
+What never fits is a prompt that leaves no context room for one output token (for an
+embedding, the prompt alone): an engine starts anything else. The requested output
+(``max_tokens``) only steers: replicas whose context holds the prompt as estimated and the
+whole output are preferred (:func:`context_fit`); when none does, the engine decides (it
+stops the output at its context, or refuses in its own words).
 
 Pools hold prompt-length ranges ``[min_prompt_tokens, max_prompt_tokens)``.
 A request's *home* is the first pool (in config order) whose range holds its
@@ -118,6 +119,40 @@ def exceeds_every_context(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ContextFit:
+    """What a replica's context must hold for a request to go there: ``prompt`` tokens
+    (a lower bound when not ``exact``) and ``output`` more."""
+
+    prompt: int
+    output: int
+    exact: bool
+
+    def holds(self, context_length: int | None) -> bool:
+        return fits_context(context_length, self.prompt, self.output, self.exact)
+
+
+def context_fit(
+    context_lengths: Sequence[int | None],
+    likely_prompt: int,
+    fewest_prompt: int,
+    wanted_output: int,
+    least_output: int,
+    exact: bool,
+) -> ContextFit:
+    """The replicas a request may go to: those whose context holds its prompt as estimated
+    (``likely_prompt``, no margin: a preference, not a refusal) and ``wanted_output``
+    (the requested output, at least ``least_output``), while any does; else those that
+    may start it: the fewest tokens the prompt may be (``fewest_prompt``, with the
+    margin of an estimate unless ``exact``) and ``least_output`` (one token; none for an
+    embedding), as :func:`exceeds_every_context` refuses.
+    """
+    preferred = ContextFit(likely_prompt, max(least_output, wanted_output), exact=True)
+    if any(preferred.holds(n) for n in context_lengths):
+        return preferred
+    return ContextFit(fewest_prompt, least_output, exact)
+
+
 def output_to_hold(
     context_lengths: Iterable[int | None], prompt_tokens: int, requested_output: int, exact: bool
 ) -> int:
@@ -145,6 +180,7 @@ def choose_across_pools(
     router: Callable[[str], Router],
     queued: Callable[[str], int],
     max_load: float,
+    waits_in: str | None = None,
 ) -> tuple[str, Load] | None:
     """The (pool, backend) to admit to: home first, then lenders' idle headroom.
 
@@ -152,12 +188,20 @@ def choose_across_pools(
     lender's only when home has no room), ``router(pool)`` its router,
     ``queued(pool)`` the requests waiting in its queue. A lender with waiters of
     its own lends nothing, and only backends that :func:`lender_fits`.
+
+    ``waits_in``: the pool whose queue the request waits in, when it is not the plan's
+    home (a waiter re-planned because its own pool lost every backend). That home is
+    then its home for what it may take, but its own waiters come first: it takes
+    nothing there while any wait, as a newcomer queued behind them would not.
     """
+    waits_in = plan.home if waits_in is None else waits_in
     for pool in (plan.home, *plan.lenders):
+        if pool != waits_in and queued(pool):
+            continue
         candidates = loads(pool)
+        if not candidates:
+            continue
         if pool != plan.home:
-            if queued(pool):
-                continue
             candidates = [x for x in candidates if lender_fits(x, request.cost, max_load)]
         chosen = router(pool).choose(candidates, request)
         if chosen is not None:

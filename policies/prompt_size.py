@@ -2,9 +2,9 @@
 
 :func:`shape_of` finds the text a chat template or a completion prompt carries
 (every message's content, tool definitions, a prompt string or list) and any
-prompt that is already token ids. The estimators (``gateway.tokens``) turn a
-:class:`PromptShape` into tokens; :func:`output_tokens` is the other half of a
-request's KV cost.
+prompt that is already token ids, and how many sequences the engine runs for it.
+The estimators (``gateway.tokens``) turn a :class:`PromptShape` into tokens;
+:func:`output_tokens`, once per sequence, is the other half of a request's KV cost.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ class PromptShape:
     # longest one's share of the whole (by characters, or by ids when they are ids).
     longest_share: float = 1.0
     media: bool = False  # images or audio: tokens the text does not show
+    # Sequences the engine runs: each prompt of a batch, ``n`` (or ``best_of``) times. Each
+    # has an output of its own; the copies of one prompt share its KV (prefix caching).
+    sequences: int = 1
 
     @property
     def chars(self) -> int:
@@ -54,7 +57,14 @@ def _longest_share(sizes: list[int]) -> float:
     return max(sizes) / total if total else 1.0
 
 
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
+
+
 def shape_of(payload: Mapping[str, Any]) -> PromptShape:
+    # Sampling params: each prompt runs n times (best_of, where an engine honours it: the
+    # larger is what it may generate). Values that are no count are the engine's to refuse.
+    copies = max(_count(payload.get("n")), _count(payload.get("best_of")))
     messages = payload.get("messages")
     if isinstance(messages, list):
         texts: list[str] = []
@@ -67,13 +77,13 @@ def shape_of(payload: Mapping[str, Any]) -> PromptShape:
                     texts.append(json.dumps(message["tool_calls"], ensure_ascii=False))
         if payload.get("tools"):
             texts.append(json.dumps(payload["tools"], ensure_ascii=False))
-        return PromptShape(tuple(texts), max(1, len(messages)), 0, media=media)
+        return PromptShape(tuple(texts), max(1, len(messages)), 0, media=media, sequences=copies)
     prompt = payload.get("prompt", payload.get("input"))
     if isinstance(prompt, str):
-        return PromptShape((prompt,), 0, 0)
+        return PromptShape((prompt,), 0, 0, sequences=copies)
     if isinstance(prompt, list):
         if prompt and all(isinstance(p, int) for p in prompt):
-            return PromptShape((), 0, len(prompt))  # one prompt of token ids
+            return PromptShape((), 0, len(prompt), sequences=copies)  # one prompt of token ids
         texts = [p for p in prompt if isinstance(p, str)]
         id_lists = [p for p in prompt if isinstance(p, list)]
         ids = sum(map(len, id_lists))
@@ -83,8 +93,9 @@ def shape_of(payload: Mapping[str, Any]) -> PromptShape:
             share = _longest_share([len(t) for t in texts])
         elif id_lists and not texts:
             share = _longest_share([len(i) for i in id_lists])
-        return PromptShape(tuple(texts), 0, ids, longest_share=share)
-    return PromptShape((), 0, 0)
+        prompts = max(1, len(texts) + len(id_lists))
+        return PromptShape(tuple(texts), 0, ids, longest_share=share, sequences=prompts * copies)
+    return PromptShape((), 0, 0, sequences=copies)
 
 
 def output_tokens(payload: Mapping[str, Any], default: int) -> int:

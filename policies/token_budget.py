@@ -5,7 +5,10 @@ request limit alone lets a long-prompt pool oversubscribe its KV cache into a
 preemption storm. Each backend therefore also has a *token budget*: the most
 prompt + max-output tokens admitted at once (:func:`token_budget`), and a
 request is admitted only when both its permit and its tokens fit
-(:meth:`policies.routing.Load.fits`).
+(:meth:`policies.routing.Load.fits`). A request's tokens are its prompt plus the
+max output of each sequence it runs (``n`` of them, one per prompt of a batch),
+and on a backend at most what those sequences can hold in its context
+(:meth:`policies.routing.Load.cost_of`): that is what its claim holds.
 
 The enforcement rides on admission's existing permit accounting: the router's
 ``pick()`` returns a :class:`Claim` — one request's hold on one backend — as

@@ -463,9 +463,8 @@ async def test_retry_after_follows_the_drain_rate() -> None:
     b = Backend("a", limit=100)
     pick = first_with_room(b)
     adm = pool(clock)
-    clock.now += 10.0  # a full drain window of history
-    assert adm.retry_after() == 10.0  # nothing drained: at most one per 10 s
     leases = [await adm.acquire(pick, priority=Priority.BATCH, deadline=FAR) for _ in range(20)]
+    clock.now += 10.0  # a full drain window busy, then all 20 end
     for lease in leases:
         lease.release(Outcome.SUCCESS)
     assert adm.retry_after() == 1.0  # 2/s and nobody queued: 0.5 s, clamped up to 1
@@ -478,6 +477,55 @@ async def test_retry_after_follows_the_drain_rate() -> None:
         clock.now += 11.0  # the releases age out of the drain window
         assert adm.retry_after() == 60.0  # (9 + 1) * 10 s, clamped
         tg.cancel_scope.cancel()
+
+
+async def test_retry_after_does_not_count_time_the_pool_sat_idle() -> None:
+    clock = Clock()
+    b = Backend("a", limit=1)
+    pick = first_with_room(b)
+    adm = pool(clock, depth=2)
+    first = await adm.acquire(pick, priority=Priority.INTERACTIVE, deadline=FAR)
+    clock.now += 1.0
+    first.release(Outcome.SUCCESS)
+    clock.now += 11.0  # idle longer than the drain window
+    held = await adm.acquire(pick, priority=Priority.INTERACTIVE, deadline=FAR)  # a burst
+    clock.now += 0.5
+    async with anyio.create_task_group() as tg:
+        for _ in range(2):
+            tg.start_soon(park, adm, pick)
+        await wait_all_tasks_blocked()
+        with pytest.raises(QueueFull) as refused:
+            await adm.acquire(pick, priority=Priority.INTERACTIVE, deadline=FAR)
+        # Busy for 0.5 s with nothing drained yet: (2 queued + 1) x 0.5 s, not x 10 s.
+        assert refused.value.retry_after == pytest.approx(1.5)
+        tg.cancel_scope.cancel()
+    held.release(Outcome.SUCCESS)
+
+
+async def test_waiters_timing_out_together_hear_the_same_retry_after() -> None:
+    b = Backend("a", limit=0)
+    pick = first_with_room(b)
+    shift = [0.0]
+    # The real clock (the waits are anyio's timers), moved on once the pool is made: a
+    # pool idle for a drain window with waiters estimates 10 s per queued request.
+    adm = PoolAdmission(
+        max_queue_depth=10, batch_share=0.0, clock=lambda: time.monotonic() + shift[0]
+    )
+    shift[0] = 10.0
+    deadline = time.monotonic() + shift[0] + 0.05
+    refusals: list[float] = []
+
+    async def wait() -> None:
+        with pytest.raises(QueueTimeout) as timed_out:
+            await adm.acquire(pick, priority=Priority.INTERACTIVE, deadline=deadline)
+        refusals.append(timed_out.value.retry_after)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):
+            tg.start_soon(wait)
+    # Each is told of the queue behind it (none): not 40, 30, 20 and 10 s.
+    assert refusals == [10.0] * 4
+    assert adm.depth() == 0
 
 
 async def test_reconfigure_keeps_the_queue() -> None:

@@ -256,3 +256,37 @@ def test_a_request_for_an_idle_backend_does_not_wait_behind_one_for_a_busy_one(
         gw.proc.stop()
         busy.stop()
         idle.stop()
+
+
+def test_a_batch_key_cannot_make_itself_interactive(tmp_path: Path, slow_sim: Proc) -> None:
+    config = {
+        "backends": [backend("s", slow_sim.url, limit=STATIC_1)],
+        "pools": {"short": {"max_queue_depth": 8, "max_queue_wait_s": 30}},
+        "auth": {"api_keys": ["sk-team", {"key": "sk-nightly", "priority": "batch"}]},
+    }
+    gw = start_gateway(tmp_path, config)
+    results: list = []
+    team = {"authorization": "Bearer sk-team"}
+
+    def queued(priority: str) -> float:
+        text = httpx.get(gw.url + "/metrics", timeout=5).text
+        prefix = f'kneecap_queue_depth{{pool="short",priority="{priority}"}} '
+        return float(next(line for line in text.splitlines() if line.startswith(prefix))[len(prefix):])
+
+    try:
+        busy = stream_in_background(gw, 150, results, headers=team)  # holds the one permit
+        wait_until(lambda: gw.state()["backends"][0]["in_flight"] == 1)
+        claims = {"authorization": "Bearer sk-nightly", "x-kneecap-priority": "interactive"}
+        waiter = stream_in_background(gw, 1, results, headers=claims)
+        wait_until(lambda: pool_state(gw)["queue_depth"] == 1)
+        # The operator made this key batch: its header may not lift it over interactive keys.
+        assert (queued("batch"), queued("interactive")) == (1.0, 0.0)
+        yields = {**team, "x-kneecap-priority": "batch"}  # a client may always yield
+        third = stream_in_background(gw, 1, results, headers=yields)
+        wait_until(lambda: pool_state(gw)["queue_depth"] == 2)
+        assert (queued("batch"), queued("interactive")) == (2.0, 0.0)
+        for thread in (busy, waiter, third):
+            thread.join(30)
+        assert sorted(results) == [(200, 1), (200, 1), (200, 150)]
+    finally:
+        gw.proc.stop()

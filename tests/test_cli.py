@@ -51,6 +51,11 @@ def test_check_config_accepts_a_valid_file(tmp_path: Path) -> None:
         # Passed, then `kneecap serve` died on a KeyError traceback.
         ("backends:\n  - {name: s, sim: {profile: nope}}\n", "unknown simulator profile 'nope'"),
         ("admission: {limit: {kind: fast}}\n", "admission.limit: `kind` must be one of"),
+        # Served sglang: names while the gateway read vllm: ones, engine gauges never seen.
+        (
+            "backends:\n  - {name: s, engine: vllm, sim: {profile: qwen3-4b/l40s/bf16/sglang}}\n",
+            "engine 'vllm' contradicts sim profile 'qwen3-4b/l40s/bf16/sglang'",
+        ),
         # One pool for all backends: two at limit 2 need 4 connections (two got 504).
         (
             "upstream: {max_connections: 2}\n"
@@ -66,6 +71,12 @@ def test_check_config_names_the_bad_key(tmp_path: Path, text: str, expected: str
     result = run_cli("check-config", str(path))
     assert result.returncode == 1
     assert expected in result.stderr
+
+
+def test_a_simulated_profile_names_the_backends_engine(tmp_path: Path) -> None:
+    path = tmp_path / "sim.yaml"
+    path.write_text("backends:\n  - {name: s, sim: {profile: qwen3-4b/l40s/bf16/sglang}}\n")
+    assert load_settings(path).backends[0].engine == "sglang"
 
 
 def test_a_limit_without_kind_is_the_default_knee_controller(tmp_path: Path) -> None:
@@ -214,6 +225,7 @@ def test_ctrl_c_stops_a_simulated_bench_sweep_at_once() -> None:
     [
         (("serve", "--port", "99999"), "is not a port"),  # listened on 99999 - 65536
         (("sim", "--port", "70000"), "is not a port"),
+        (("serve", "--log-level", "loud"), "invalid choice: 'loud'"),  # KeyError in uvicorn
         (("sim", "--speed", "0"), "is not a positive number"),  # ZeroDivisionError
         (("sim", "--profile", "no/such/profile"), "unknown simulator profile"),  # KeyError
         (("bench", "--sim", "qwen3-4b/l40s/bf16/vllm", "--concurrency", ""), "at least one"),

@@ -98,3 +98,30 @@ def test_configured_models_without_a_listing_get_an_entry_of_the_gateways(
             gw.proc.stop()
     finally:
         backend.stop()
+
+
+def test_a_context_grown_by_a_redeploy_is_followed_with_models_configured(
+    tmp_path: Path,
+) -> None:
+    """The engine restarts at the same address with a larger --max-model-len: the gateway
+    learns it at its next probe (before: learnt once, the old context refused for good)."""
+    engine = start_ops_backend(tmp_path, listing(card(4096)))
+    port = int(engine.url.rsplit(":", 1)[1])
+    config = {
+        "backends": [{"name": "v0", "url": engine.url, "models": [MODEL]}],
+        "health": {"interval_s": 0.2},
+    }
+    gw = start_gateway(tmp_path, config)
+    try:
+
+        def models_max_len() -> int | None:
+            data = httpx.get(gw.url + "/v1/models", timeout=5).json()["data"]
+            return data[0].get("max_model_len") if data else None
+
+        wait_until(lambda: models_max_len() == 4096)
+        engine.stop()
+        engine = start_ops_backend(tmp_path, listing(card(32768)), port=port)
+        wait_until(lambda: models_max_len() == 32768)
+    finally:
+        gw.proc.stop()
+        engine.stop()

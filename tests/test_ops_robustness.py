@@ -76,9 +76,16 @@ def chat(gw: Gateway, headers: dict | None = None, timeout: float = 10) -> httpx
     return httpx.post(url, json=CHAT, headers=headers, timeout=timeout)
 
 
-def start_ops_backend(tmp: Path, models_json: str | None = None) -> Proc:
-    port = free_port()
+def start_ops_backend(
+    tmp: Path,
+    models_json: str | None = None,
+    post_status: int = 200,
+    port: int | None = None,
+    post_delay_s: float = 0.0,
+) -> Proc:
+    port = port or free_port()
     args = ["--port", str(port)] + (["--models-json", models_json] if models_json else [])
+    args += ["--post-status", str(post_status), "--post-delay", str(post_delay_s)]
     url = f"http://127.0.0.1:{port}"
     return start_process(args, url, "/health", tmp / f"ops-{port}.log", module="tests.ops_backend")
 

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.procs import MODEL, backend, start_gateway, start_sim, wait_until
+from tests.test_ops_robustness import counts, start_ops_backend
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
 
@@ -185,3 +186,27 @@ def test_stalled_upstream_is_cut_by_the_read_timeout(tmp_path: Path) -> None:
     finally:
         gw.proc.stop()
         sim.stop()
+
+
+def test_a_backend_failing_every_request_is_ejected_with_no_attempt_left(tmp_path: Path) -> None:
+    # Up by its /health, 500 to every request: with one attempt per request each 500 is
+    # relayed as it is (no replica left to try), and still counts against the backend.
+    broken = start_ops_backend(tmp_path, post_status=500)
+    config = {
+        "backends": [backend("broken", broken.url)],
+        "health": {"interval_s": 60, "failure_threshold": 2},
+        "upstream": {"max_attempts": 1},
+    }
+    gw = start_gateway(tmp_path, config)
+    try:
+        # The first probe's verdict ("up") lands first, not between the failures.
+        wait_until(lambda: counts(broken)["model_listings"] >= 1)
+        for _ in range(2):
+            answer = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10)
+            assert answer.status_code == 500
+            assert answer.json() == {"error": {"message": "engine failed"}}  # the engine's own
+        assert [b["healthy"] for b in gw.state()["backends"]] == [False]
+        assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 503
+    finally:
+        gw.proc.stop()
+        broken.stop()

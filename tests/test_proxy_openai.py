@@ -130,6 +130,7 @@ def test_tokenize_is_answered_by_a_backend_of_the_model(
     [
         ({"model": "no-such-model", "prompt": "x"}, 404, "model_not_found"),
         ({"prompt": "x"}, 400, "missing_required_parameter"),
+        ({"model": 5, "prompt": "x"}, 400, "invalid_type"),  # as /v1/* says it
         ([1, 2], 400, "invalid_json"),
     ],
 )

@@ -26,6 +26,7 @@ from tests.procs import (
     start_sim,
     wait_until,
 )
+from tests.test_ops_robustness import counts, start_ops_backend
 
 QUICK_STOP = {"drain_timeout_s": 1}
 QUIET_HEALTH = {"interval_s": 60}  # the startup round only, unless a reload wakes it
@@ -373,3 +374,39 @@ def test_a_re_addressed_backend_gets_connections_held_idle_by_its_old_address(
         gw.proc.stop()
         streams.close()
         moved.stop()
+
+
+def test_a_reload_while_a_prompt_is_counted_plans_it_on_the_pools_there_are_now(
+    tmp_path: Path,
+) -> None:
+    """The backend's /tokenize answers after a reload moved the backend from pool `p1`
+    to pool `p2` and removed `p1`: the request goes to `p2` (before: planned on the old
+    snapshot, onto a pool with no queue any more, and answered 500)."""
+    engine = start_ops_backend(tmp_path, post_delay_s=1.0)
+    first: dict[str, Any] = {
+        "listen": QUICK_STOP,
+        "backends": [backend("b", engine.url, pool="p1", models=[MODEL])],
+        "pools": {"p1": {}},
+        "health": QUIET_HEALTH,
+        "routing": {"estimator": {"mode": "backend", "tokenize_timeout_s": 10}},
+    }
+    gw = start_gateway(tmp_path, first)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+            answer = pool.submit(
+                httpx.post, gw.url + "/v1/completions", json=body, timeout=30
+            )
+            wait_until(lambda: counts(engine)["posts"] >= 1)  # its /tokenize is under way
+            second = {
+                **first,
+                "backends": [backend("b", engine.url, pool="p2", models=[MODEL])],
+                "pools": {"p2": {}},
+            }
+            reload(gw, second)
+            response = answer.result(timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kneecap-backend"] == "b"
+    finally:
+        gw.proc.stop()
+        engine.stop()

@@ -1,4 +1,4 @@
-"""Reading an engine's own /metrics: exact names, ranks summed, fallbacks, both engines."""
+"""Reading an engine's own /metrics: exact names, ranks summed (KV usage averaged), fallbacks, both engines."""
 
 from __future__ import annotations
 
@@ -58,3 +58,22 @@ def test_labels_with_braces_and_spaces_in_values() -> None:
     assert list(samples(text, ("vllm:num_requests_running",))) == [
         ("vllm:num_requests_running", 'model_name="a {b} c"', 6.0)
     ]
+
+
+def test_kv_usage_of_data_parallel_ranks_is_their_mean_not_their_sum() -> None:
+    # vLLM's data-parallel engines and SGLang's DP ranks each report a series: requests
+    # add up, but two ranks 60 % full are a backend 60 % full, not 120 %.
+    vllm = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 3\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 3\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.2\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.6\n'
+    )
+    gauges = parse_engine_gauges(vllm, ENGINE_METRICS["vllm"], now=0.0)
+    assert gauges.running == 6.0
+    assert gauges.kv_usage is not None and abs(gauges.kv_usage - 0.4) < 1e-9
+    sglang = (
+        'sglang:token_usage{model_name="m",dp_rank="0"} 0.6\n'
+        'sglang:token_usage{model_name="m",dp_rank="1"} 0.6\n'
+    )
+    assert parse_engine_gauges(sglang, ENGINE_METRICS["sglang"], now=0.0).kv_usage == 0.6

@@ -126,21 +126,23 @@ def test_embeddings_of_inputs_that_each_fit_are_served_whatever_their_sum(gw: Ga
     assert answer.usage.prompt_tokens == 60_000  # the sum is over the context indeed
 
 
-def test_completions_of_token_id_prompts_that_each_fit_are_served(gw: Gateway) -> None:
-    """Four prompts of 15,000 ids each, 60,000 together (the simulator counts each id
-    list as one token, so it accepts them whatever the gateway's sum)."""
+def test_completions_of_token_id_prompts_that_each_fit_reach_the_engine(gw: Gateway) -> None:
+    """Four prompts of 15,000 ids each, 60,000 together: vLLM serves them, each on its own
+    context. The simulator refuses any list of prompts (one sequence per request is what
+    it models); whoever refuses it, it must be the engine, never the gateway's sum."""
     client = openai_client(gw.url)
     prompts = [[1] * 15_000 for _ in range(BATCH)]
-    answer = client.completions.with_raw_response.create(model=MODEL, prompt=prompts, max_tokens=5)
-    assert answer.headers["x-kneecap-backend"] == "sim"
-    assert answer.parse().choices
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=prompts, max_tokens=5)
+    assert refused.value.response.headers["x-kneecap-backend"] == "sim"
+    assert GATEWAY_REFUSAL not in refused.value.message
 
 
 def test_completions_of_text_prompts_over_the_context_together_reach_the_engine(
     gw: Gateway,
 ) -> None:
-    """The simulator refuses a list of prompts by their sum (vLLM would not): whoever
-    refuses it, it must be the engine, never the gateway's own estimate."""
+    """The simulator refuses a list of prompts (vLLM would serve it): whoever refuses it,
+    it must be the engine, never the gateway's own estimate."""
     client = openai_client(gw.url)
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt=[DOC_15K_TOKENS] * BATCH, max_tokens=5)

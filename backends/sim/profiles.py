@@ -202,6 +202,18 @@ def get_profile(name: str) -> Profile:
         raise KeyError(f"unknown simulator profile {name!r}; valid profiles: {valid}") from None
 
 
+def engine_conflict(profile: str, engine: str) -> str | None:
+    """Why a backend said to be ``engine`` cannot run ``profile`` (None: it can).
+
+    A profile names its engine (``…/vllm``, ``…/sglang``), which decides its scheduler,
+    its step overhead and its metric names; another engine named beside it would be
+    silently ignored. Raises KeyError for an unknown profile, as :func:`get_profile`."""
+    simulated = get_profile(profile).flavor
+    if engine == simulated:
+        return None
+    return f"engine {engine!r} contradicts profile {profile!r}, which simulates {simulated}"
+
+
 def format_profiles() -> str:
     """What ``kneecap sim --list-profiles`` prints."""
     rows = [f"{'profile':<32} {'KV tokens':>10} {'max seqs':>9} {'budget':>7}  served model"]

@@ -24,13 +24,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from backends.lax_bool import lax_bool
-from backends.sim import wire
+from backends.sim import validate, wire
 from backends.sim.arrival import arrival_of
 from backends.sim.base import AsyncEngine, GenerationRequest, TokenIterator
 from backends.sim.tokenizer import count_chat_tokens, count_text_tokens
 
-DEFAULT_MAX_TOKENS = 256
 EMBEDDING_DIM = 16
 
 
@@ -45,11 +43,12 @@ def _error(
 
 
 def _prompt_tokens(payload: dict[str, Any]) -> int:
+    """What ``/tokenize`` counts: the messages, or every prompt of ``prompt``."""
     if "messages" in payload:
         return count_chat_tokens(payload["messages"])
     prompt = payload.get("prompt", "")
     if isinstance(prompt, list):
-        return sum(count_text_tokens(p) if isinstance(p, str) else 1 for p in prompt)
+        return sum(validate.tokens_of(p) for p in validate.prompts_of(prompt))
     return count_text_tokens(str(prompt))
 
 
@@ -82,60 +81,26 @@ class _Completions:
         elif started.stream:
             await self._stream(started, receive, send)
         else:
-            await (await self._complete(started))(scope, receive, send)
+            answer = await self._complete_unless_left(started, receive)
+            if answer is not None:
+                await answer(scope, receive, send)
 
     def _start(self, body: bytes, chat: bool, arrival: float | None) -> _Generation | Response:
         """Check the request and submit it to the engine, arriving when its bytes did."""
         payload = _payload(body, self._model)
         if isinstance(payload, Response):
             return payload
-        if chat and not isinstance(payload.get("messages"), list):
-            return _error("messages: field required", 400, param="messages")
-        if not chat and "prompt" not in payload:
-            return _error("prompt: field required", 400, param="prompt")
         try:
-            prompt_tokens = _prompt_tokens(payload)
-        except (AttributeError, TypeError, UnicodeEncodeError) as exc:
-            # A message that is no object, a lone surrogate: vLLM answers these 400 too.
-            param = "messages" if chat else "prompt"
-            return _error(f"{param}: invalid: {type(exc).__name__}", 400, param=param)
-        # vLLM's order: max_completion_tokens wins; 0 is a bad request, not "the default".
-        max_tokens = payload.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = payload.get("max_tokens")
-        if max_tokens is None:
-            max_tokens = DEFAULT_MAX_TOKENS
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            return _error("max_tokens must be a positive integer", 400, param="max_tokens")
-        if payload.get("n") not in (None, 1):
-            # One sequence per request is all the cost model knows: say so, never answer
-            # with one choice where n were asked.
-            return _error("n > 1 is not supported by the simulator", 400, param="n")
-        options = payload.get("stream_options")
-        options = {} if options is None else options
-        # Read as vLLM reads it (pydantic, lax): 1 and "true" ask too; a value it
-        # cannot read is a bad request.
-        include_usage = (
-            lax_bool(options.get("include_usage")) if isinstance(options, dict) else None
-        )
-        if include_usage is None:
-            return _error("stream_options: invalid", 400, param="stream_options")
-        max_model_len = self._engine.max_model_len
-        if prompt_tokens + max_tokens > max_model_len:
-            requested = prompt_tokens + max_tokens
-            return _error(
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {requested} tokens ({prompt_tokens} in the messages, "
-                f"{max_tokens} in the completion).",
-                400,
-            )
+            asked = validate.read(payload, chat, self._engine.max_model_len)
+        except validate.BadRequest as bad:
+            return _error(bad.message, 400, param=bad.param)
         ident = wire.Identity.for_request("chatcmpl" if chat else "cmpl", payload)
         seed = payload["seed"] if isinstance(payload.get("seed"), int) else next(self._unseeded)
         gen = GenerationRequest(
             request_id=ident.id,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            ignore_eos=bool(payload.get("ignore_eos", False)),
+            prompt_tokens=asked.prompt_tokens,
+            max_tokens=asked.max_tokens,
+            ignore_eos=asked.ignore_eos,
             seed=seed,
         )
         try:
@@ -147,8 +112,8 @@ class _Completions:
             gen,
             ident,
             chat,
-            stream=bool(payload.get("stream")),
-            include_usage=include_usage,
+            stream=asked.stream,
+            include_usage=asked.include_usage,
         )
 
     async def _stream(self, run: _Generation, receive: Receive, send: Send) -> None:
@@ -187,6 +152,24 @@ class _Completions:
             finally:
                 watcher.cancel()
                 await tokens.aclose()  # cancels the sequence, once the loop let go of it
+
+    async def _complete_unless_left(self, run: _Generation, receive: Receive) -> Response | None:
+        """The whole answer, or None when the client left first: its sequence is freed at
+        once, as vLLM aborts a request whose client disconnected, streamed or not."""
+        completing = asyncio.current_task()
+        assert completing is not None
+        left: list[bool] = []
+        async with asyncio.TaskGroup() as group:
+            watcher = group.create_task(_cancel_on_disconnect(receive, completing, left))
+            try:
+                return await self._complete(run)
+            except asyncio.CancelledError:
+                if not left:
+                    raise
+                completing.uncancel()  # the client left: nobody to answer
+                return None
+            finally:
+                watcher.cancel()
 
     async def _complete(self, run: _Generation) -> Response:
         parts = []
@@ -234,7 +217,7 @@ async def _read_body(receive: Receive) -> bytes | None:
 async def _cancel_on_disconnect(
     receive: Receive, streaming: asyncio.Task, left: list[bool]
 ) -> None:
-    """Stops the streaming loop when the client goes. Not by closing its token iterator
+    """Stops the streaming (or generating) loop when the client goes. Not by closing its token iterator
     from here: an async generator (the fixed-latency engine's) cannot be closed while the
     loop is inside it, and every disconnect logged a RuntimeError."""
     while (await receive())["type"] != "http.disconnect":
@@ -289,15 +272,17 @@ def create_sim_app(engine: AsyncEngine, model: str) -> ASGIApp:
         if isinstance(payload, Response):
             return payload
         inputs = payload.get("input")
-        if isinstance(inputs, str):
-            inputs = [inputs]
-        if not isinstance(inputs, list) or not inputs:
+        if not isinstance(inputs, str | list) or not inputs:
             return _error("input: field required", 400, param="input")
         data = []
         total = 0
-        for index, item in enumerate(inputs):
+        # A string or a list of token ids is one input; a list of either, one each.
+        for index, item in enumerate(validate.prompts_of(inputs)):
             text = item if isinstance(item, str) else json.dumps(item)
-            total += count_text_tokens(text)
+            try:
+                total += validate.tokens_of(item)
+            except TypeError:
+                total += count_text_tokens(text)
             digest = hashlib.sha256(text.encode()).digest()
             vector = [
                 round(v / 255.0, 6)

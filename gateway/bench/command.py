@@ -10,8 +10,10 @@ import argparse
 import gc
 import importlib.util
 import json
+import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -21,7 +23,7 @@ from gateway.bench.client import TargetError
 from gateway.bench.compare import comparison_json, render_comparison
 from gateway.bench.export import result_csv, result_json
 from gateway.bench.loadgen import HttpTarget
-from gateway.bench.plot import PlotError, write_plot
+from gateway.bench.plot import PlotError, check_plot_path, write_plot
 from gateway.bench.policy import PolicyError, policy_yaml
 from gateway.bench.progress import ProgressDisplay
 from gateway.bench.prompts import ENDPOINTS
@@ -137,7 +139,7 @@ def run(
         result, labels = anyio.run(
             _sweep, args, plan, workloads, err, backend_options={"use_uvloop": HAS_UVLOOP}
         )
-        _write_outputs(args, result, labels, out)
+        failures = _write_outputs(args, result, labels, out)
     except (OptionError, SloError, WorkloadError, TargetError, PolicyError, PlotError) as exc:
         err.write(f"kneecap bench: error: {exc}\n")
         return EXIT_USAGE
@@ -148,7 +150,9 @@ def run(
     except KeyboardInterrupt:
         err.write("kneecap bench: interrupted\n")
         return 130
-    return 0
+    for failure in failures:  # the outputs that could be written were
+        err.write(f"kneecap bench: error: {failure}\n")
+    return EXIT_USAGE if failures else 0
 
 
 def _loads(text: str, kind: str) -> tuple[float, ...]:
@@ -156,11 +160,16 @@ def _loads(text: str, kind: str) -> tuple[float, ...]:
         values = sorted({float(x) for x in text.split(",") if x.strip()})
     except ValueError:
         raise OptionError(f"--{kind} {text!r}: expected numbers separated by commas") from None
-    if not values or values[0] <= 0:
-        raise OptionError(f"--{kind} {text!r}: give positive values")
+    if not values or not all(_positive(v) for v in values):
+        raise OptionError(f"--{kind} {text!r}: give positive values (finite numbers)")
     if kind == "concurrency" and any(v != int(v) for v in values):
         raise OptionError(f"--concurrency {text!r}: concurrencies are whole numbers")
     return tuple(values)
+
+
+def _positive(value: float) -> bool:
+    """A positive real number: no NaN (every comparison is false) and no infinity."""
+    return math.isfinite(value) and value > 0
 
 
 def _plan(args: argparse.Namespace) -> tuple[SweepPlan, list[Workload]]:
@@ -171,20 +180,22 @@ def _plan(args: argparse.Namespace) -> tuple[SweepPlan, list[Workload]]:
     loads = _loads(given or DEFAULT_CONCURRENCY, kind)
     for name in ("requests", "duration", "output_tokens", "timeout", "speed"):
         value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise OptionError(f"--{name.replace('_', '-')} must be positive")
+        if value is not None and not _positive(value):
+            raise OptionError(f"--{name.replace('_', '-')} must be positive and finite")
     if args.warmup is not None and args.warmup < 0:
         raise OptionError("--warmup must be >= 0")
-    if not args.stagger >= 0:
-        raise OptionError("--stagger must be >= 0")
+    if not (math.isfinite(args.stagger) and args.stagger >= 0):
+        raise OptionError("--stagger must be >= 0 and finite")
     if not 0 < args.knee_fraction < 1:
         raise OptionError("--knee-fraction must be between 0 and 1")
     for option in ("json", "csv", "plot", "emit_policy"):  # fail before a long sweep
         path: Path | None = getattr(args, option)
         if path is not None and not path.parent.is_dir():
             raise OptionError(f"--{option.replace('_', '-')} {path}: no such directory")
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise OptionError("--plot needs matplotlib: pip install 'kneecap[bench]'")
+        if path is not None and path.is_dir() and option != "plot":  # a plot goes to PATH.png
+            raise OptionError(f"--{option.replace('_', '-')} {path}: is a directory")
+    if args.plot is not None:
+        check_plot_path(args.plot)
     slo = parse_slo(args.slo) if args.slo else None
     if args.requests_file is not None:
         workloads: list[Workload] = [
@@ -206,6 +217,11 @@ def _plan(args: argparse.Namespace) -> tuple[SweepPlan, list[Workload]]:
         slo=slo,
         stagger=args.stagger,
     )
+    for load in loads:  # a load so large its default request count overflows
+        try:
+            plan.point(load, 0)
+        except OverflowError:
+            raise OptionError(f"--{kind} {load:g}: too large") from None
     return plan, workloads
 
 
@@ -246,7 +262,12 @@ async def _sweep(
 
 def _write_outputs(
     args: argparse.Namespace, result: SweepResult, labels: list[str], out: TextIO
-) -> None:
+) -> list[str]:
+    """Print the report and write every requested file; one line per file that failed.
+
+    Each file is tried whatever became of the others: a plot or a policy that
+    cannot be written after a long sweep must not cost the rest of its results.
+    """
     notes = [f"{label}: {n}" for label, ns in result.notes.items() for n in ns]
     out.write(render(result, notes))
     settings: dict[str, Any] = {
@@ -258,11 +279,20 @@ def _write_outputs(
     if len(labels) == 2:
         out.write("\n" + render_comparison(result, labels[0], labels[1]))
         document["comparison"] = comparison_json(result, labels[0], labels[1])
-    if args.json:
-        args.json.write_text(json.dumps(document, indent=2) + "\n")
-    if args.csv:
-        args.csv.write_text(result_csv(result))
-    if args.plot:
-        write_plot(result, args.plot)
-    if args.emit_policy:
-        args.emit_policy.write_text(policy_yaml(result, labels[0]))
+    writers: list[tuple[Path | None, Callable[[Path], object]]] = [
+        (args.json, lambda path: path.write_text(json.dumps(document, indent=2) + "\n")),
+        (args.csv, lambda path: path.write_text(result_csv(result))),
+        (args.emit_policy, lambda path: path.write_text(policy_yaml(result, labels[0]))),
+        (args.plot, lambda path: write_plot(result, path)),
+    ]
+    failures = []
+    for path, write in writers:
+        if path is None:
+            continue
+        try:
+            write(path)
+        except (PolicyError, PlotError) as exc:
+            failures.append(str(exc))
+        except OSError as exc:
+            failures.append(f"{exc.filename or path}: {exc.strerror or exc}")
+    return failures

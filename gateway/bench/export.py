@@ -52,6 +52,7 @@ def point_json(target: str, p: PointSummary) -> dict[str, Any]:
         "goodput_tok_s": _round(p.goodput_tok_s, 2),
         "ttft_by_prompt_tokens_ms": {str(k): latency_ms(v) for k, v in p.ttft_by_prompt.items()},
         "error_samples": list(p.error_samples),
+        "in_flight_mean": _round(p.in_flight_mean, 2),
     }
 
 

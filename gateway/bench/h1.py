@@ -42,6 +42,10 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.begin(None)
+        # Idle until the first request: no exchange is pending, so a close now (a
+        # server dropping an unused pre-opened connection, or aclose) fails nothing.
+        # A pending ``done`` here would take the close's error with nobody to await it.
+        self.done.set_result(None)
 
     def begin(self, sink: BodySink | None) -> None:
         self.parser = httptools.HttpResponseParser(self)

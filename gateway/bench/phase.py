@@ -7,6 +7,12 @@ so the counted requests never see the load fall while the tail drains. The
 measurement window runs from the first counted issue to the last counted
 finish; tokens delivered in it by any request make the point's throughput.
 
+The phase also integrates the number of requests in flight at the target (any
+request, counted or not) over the *steady* part of the window: from the window's
+start or the point's first finish, whichever is later. Before any request has
+finished an open loop is still filling up (its warm-up can be shorter than one
+E2E); after that, arrivals and completions balance for a target that keeps up.
+
 A closed loop's clients start ``stagger`` seconds apart (:func:`client_starts`),
 the same on both clocks. With fixed output lengths a closed loop keeps its
 clients' relative phases for the whole point, so a burst start leaves clients
@@ -78,6 +84,11 @@ class Phase:
         self._unstarted = len(client_starts(point))  # clients yet to send a first request
         self._start: float | None = None
         self._end: float | None = None
+        self._in_flight = 0  # issued and not yet finished, counted or not
+        self._finished_any = False
+        self._steady: float | None = None  # start of the steady part of the window
+        self._mark = 0.0  # time of the last change in flight
+        self._in_flight_area = 0.0  # requests x seconds since ``_steady``
 
     @property
     def done(self) -> bool:
@@ -93,8 +104,17 @@ class Phase:
     def target(self) -> int | None:
         return self.point.requests
 
+    @property
+    def in_flight_mean(self) -> float | None:
+        """Time-averaged requests in flight over the steady part of the window."""
+        if self._steady is None or self._end is None or self._end <= self._steady:
+            return None
+        return self._in_flight_area / (self._end - self._steady)
+
     def issue(self, now: float, *, opening: bool = False) -> Ticket:
         """A request leaves now; ``opening``: a closed-loop client's first one."""
+        self._integrate(now)
+        self._in_flight += 1
         index = self.point.index_base + self._issued
         self._issued += 1
         ramping = self.point.stagger > 0 and self._unstarted > 0  # an opening one included
@@ -105,6 +125,8 @@ class Phase:
             return Ticket(index, counted=False)
         if self._start is None:
             self._start = now
+            if self._finished_any:
+                self._steady = now
         self._counted_issued += 1
         return Ticket(index, counted=True)
 
@@ -114,10 +136,22 @@ class Phase:
             self.window_tokens += tokens
 
     def finish(self, ticket: Ticket, record: RequestRecord, now: float) -> None:
+        self._integrate(now)
+        self._in_flight -= 1
+        if not self._finished_any:
+            self._finished_any = True
+            if self._start is not None:
+                self._steady = now
         if not ticket.counted or self._end is not None:
             return
         self.records.append(record)
         self._maybe_end(now)
+
+    def _integrate(self, now: float) -> None:
+        """Add the requests in flight since the last change, inside the steady window."""
+        if self._steady is not None and self._end is None:
+            self._in_flight_area += self._in_flight * (now - self._mark)
+        self._mark = now
 
     def _maybe_end(self, now: float) -> None:
         all_back = len(self.records) == self._counted_issued

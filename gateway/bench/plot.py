@@ -10,6 +10,7 @@ panel plots p95 TTFT against prompt length, one line per load.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,31 @@ TTFT_COLOR = "tab:red"
 
 
 class PlotError(RuntimeError):
-    """matplotlib is missing; the message says how to install it."""
+    """No plot can be written (no matplotlib, a format it cannot write); the message says why."""
+
+
+MISSING = "--plot needs matplotlib: pip install 'kneecap[bench]'"
+
+
+def check_plot_path(path: Path) -> None:
+    """Fail before the sweep on a file matplotlib could not write, not after it.
+
+    The format is the file's extension (matplotlib's own rule; none means PNG and
+    matplotlib adds ``.png``). PGF also needs the TeX program matplotlib runs for it.
+    """
+    try:
+        import matplotlib
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise PlotError(MISSING) from None
+    fmt = path.suffix[1:].lower() or str(matplotlib.rcParams["savefig.format"])
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in supported:
+        names = ", ".join(f".{name}" for name in sorted(supported))
+        raise PlotError(f"--plot {path}: matplotlib cannot write .{fmt} files (use {names})")
+    tex = str(matplotlib.rcParams["pgf.texsystem"])
+    if fmt == "pgf" and shutil.which(tex) is None:
+        raise PlotError(f"--plot {path}: a .pgf plot needs {tex}, which is not installed")
 
 
 def write_plot(result: SweepResult, path: Path) -> None:
@@ -28,7 +53,7 @@ def write_plot(result: SweepResult, path: Path) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise PlotError("--plot needs matplotlib: pip install 'kneecap[bench]'") from None
+        raise PlotError(MISSING) from None
     by_prompt = _ttft_by_prompt(result)
     panels = 2 if len({k for _, k, _ in by_prompt}) > 1 else 1
     fig = Figure(figsize=(7.5 * panels, 5.0), layout="constrained")
@@ -37,7 +62,15 @@ def write_plot(result: SweepResult, path: Path) -> None:
     _load_panel(axes[0], result)
     if panels == 2:
         _prompt_panel(axes[1], by_prompt)
-    fig.savefig(path, dpi=110)
+    try:
+        fig.savefig(path, dpi=110)
+    except BrokenPipeError as exc:  # the plot tool (TeX for .pgf) died while fed: not the file
+        raise PlotError(f"--plot {path}: {type(exc).__name__}: the plot tool exited") from None
+    except OSError:
+        raise  # the caller names the file and the reason
+    except Exception as exc:  # e.g. a TeX that fails on .pgf: one line, not a traceback
+        first = str(exc).strip().splitlines()[:1]
+        raise PlotError(f"--plot {path}: {': '.join([type(exc).__name__, *first])}") from None
 
 
 def _load_panel(ax: Any, result: SweepResult) -> None:

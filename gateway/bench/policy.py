@@ -3,7 +3,8 @@
 ``initial`` is the knee (the most conservative over the target's series);
 ``max`` is the smallest measured load that already reaches the throughput
 plateau (within ``PLATEAU`` of the best), since admitting more buys nothing.
-A rate sweep is turned into requests in flight by Little's law at the knee.
+A rate sweep's points are turned into requests in flight by measuring them:
+the mean number the target held (see :func:`_in_flight`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,27 @@ class PolicyError(ValueError):
 
 
 def _in_flight(p: PointSummary) -> int:
+    """Requests in flight at a point: what a concurrency limit caps.
+
+    A rate point's figure is measured, not derived: the requests the target held,
+    time-averaged over the steady part of the measurement window (see
+    :mod:`gateway.bench.phase`). Little's law (requests/s x mean E2E) would need
+    the arrival rate of a system in equilibrium, and neither rate at hand is one:
+    the measured requests/s divides by a window that includes the drain after the
+    last counted arrival (with the default 32 requests, 0.15 for a steady 0.2
+    req/s: a limit a quarter too low), and the offered rate overstates what an
+    overloaded point, whose queue grows all along, actually held. The measured
+    mean needs neither assumption. Little's law on the offered rate is only the
+    fallback for a point without that measurement (a window too short to have a
+    steady part).
+    """
     if p.load_kind == "concurrency":
         return max(1, round(p.load))
-    mean_e2e = p.e2e.mean if p.e2e else 0.0
-    return max(1, math.ceil(p.request_s * mean_e2e))
+    if p.in_flight_mean is not None:
+        held = p.in_flight_mean
+    else:
+        held = p.load * (p.e2e.mean if p.e2e else 0.0)
+    return max(1, math.ceil(round(held, 6)))  # round: 10.000000001 requests is 10
 
 
 def _failing(p: PointSummary) -> bool:

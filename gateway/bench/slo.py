@@ -10,6 +10,7 @@ still count when the SLO tolerates the same fraction of stalls.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -76,8 +77,8 @@ def parse_slo(text: str) -> Slo:
             limit = float(value)
         except ValueError:
             raise SloError(f"bad SLO limit in {item!r}: {value!r} is not a number") from None
-        if limit <= 0:
-            raise SloError(f"bad SLO limit in {item!r}: must be positive")
+        if not (math.isfinite(limit) and limit > 0):  # nan compares false to everything
+            raise SloError(f"bad SLO limit in {item!r}: must be positive and finite")
         term = SloTerm(metric, percentile, limit * _UNIT_SECONDS[match["unit"]])
         if term.name in seen:
             raise SloError(f"SLO term {term.name} given twice")

@@ -102,6 +102,7 @@ class PointSummary:
     goodput_tok_s: float | None = None
     ttft_by_prompt: dict[int, Latency] = field(default_factory=dict)
     error_samples: tuple[str, ...] = ()
+    in_flight_mean: float | None = None  # requests at the target, time-averaged (steady window)
 
     def latency(self, metric: Metric) -> Latency | None:
         return {"ttft": self.ttft, "itl": self.itl, "tpot": self.tpot, "e2e": self.e2e}[metric]
@@ -137,6 +138,7 @@ def summarize(
     window_s: float,
     window_output_tokens: float,
     slo: Slo | None = None,
+    in_flight_mean: float | None = None,
 ) -> PointSummary:
     """Summarize one load point.
 
@@ -206,4 +208,5 @@ def summarize(
         goodput_tok_s=goodput_tok_s,
         ttft_by_prompt=ttft_by_prompt,
         error_samples=samples,
+        in_flight_mean=in_flight_mean,
     )

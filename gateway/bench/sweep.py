@@ -149,6 +149,7 @@ async def run_sweep(
                     window_s=phase.window_s,
                     window_output_tokens=phase.window_tokens,
                     slo=plan.slo,
+                    in_flight_mean=phase.in_flight_mean,
                 )
                 progress.end(summary)
                 collected.setdefault((target.label, workload.label), []).append(summary)
