@@ -101,10 +101,14 @@ class HealthProber:
         self._wake.set()
 
     async def run(self) -> None:
-        """Runs until cancelled; reads the snapshot each round so reloads apply."""
+        """Runs until cancelled; reads the snapshot each round so reloads apply. The first
+        round is the startup's own, before serving: the next comes an interval later, not
+        at once (a second verdict in the first moment readmitted what the first requests
+        had just ejected)."""
         while True:
-            backends, config = self._current()
-            await probe_all(self._client, backends, config, self._on_change)
+            _, config = self._current()
             with anyio.move_on_after(config.interval_s):
                 await self._wake.wait()
             self._wake = anyio.Event()
+            backends, config = self._current()
+            await probe_all(self._client, backends, config, self._on_change)

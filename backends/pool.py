@@ -52,7 +52,7 @@ class BackendSet:
         return [r for r in self.replicas if r.pool == pool]
 
     def serving(self, model: str) -> list[Replica]:
-        return [r for r in self.replicas if model in r.models]
+        return [r for r in self.replicas if r.serves(model)]
 
     def healthy_models(self) -> list[str]:
         return sorted({m for r in self.replicas if r.healthy for m in r.models})
@@ -63,7 +63,7 @@ class BackendSet:
         context among them, the longest prompt the gateway can route to."""
         listing = []
         for model in self.healthy_models():
-            replicas = [r for r in self.replicas if r.healthy and model in r.models]
+            replicas = [r for r in self.replicas if r.healthy and r.serves(model)]
             card = next((r.model_cards[model] for r in replicas if model in r.model_cards), None)
             entry = dict(card) if card else {"id": model, "object": "model", "created": 0}
             entry.setdefault("owned_by", "kneecap")

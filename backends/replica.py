@@ -77,6 +77,11 @@ class Replica:
     def models(self) -> frozenset[str]:
         return frozenset(self.config.models) if self.config.models else self.discovered_models
 
+    def serves(self, model: str) -> bool:
+        """``model in self.models``, without building a set: asked on every request."""
+        configured = self.config.models
+        return model in configured if configured else model in self.discovered_models
+
     def fresh_engine(self, now: float, staleness_s: float) -> EngineGauges | None:
         """The engine's own figures, unless missing or older than ``staleness_s``."""
         scraped = self.engine.scraped_at

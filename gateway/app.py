@@ -160,25 +160,29 @@ def create_app(
         runtime.on_reload = on_reload
         # One probe round before serving, so /ready and routing start informed.
         await probe_all(own_client, runtime.current.backends, settings.health, runtime.notify)
-        async with anyio.create_task_group() as group:
-            scrape = partial(scrape_loop, own_client, scrape_view, scrape_pacer.sleep)
-            control = partial(control_loop, runtime, control_pacer)
-            group.start_soon(keep_running, "health prober", prober.run)
-            group.start_soon(keep_running, "engine scraper", scrape)
-            group.start_soon(keep_running, "limit control", control)
-            if runtime.config_path:
-                watch = partial(watch_config_file, runtime)
-                group.start_soon(keep_running, "config watcher", watch)
-            _install_sighup(runtime)
-            try:
-                yield {"runtime": runtime}
-            finally:
-                close_admissions()
-                group.cancel_scope.cancel()
-                with anyio.CancelScope(shield=True):
-                    await client.aclose()
-                    await own_client.aclose()
-                runtime.recorder.flush()
+        try:
+            async with anyio.create_task_group() as group:
+                scrape = partial(scrape_loop, own_client, scrape_view, scrape_pacer.sleep)
+                control = partial(control_loop, runtime, control_pacer)
+                group.start_soon(keep_running, "health prober", prober.run)
+                group.start_soon(keep_running, "engine scraper", scrape)
+                group.start_soon(keep_running, "limit control", control)
+                if runtime.config_path:
+                    watch = partial(watch_config_file, runtime)
+                    group.start_soon(keep_running, "config watcher", watch)
+                _install_sighup(runtime)
+                try:
+                    yield {"runtime": runtime}
+                finally:
+                    close_admissions()
+                    group.cancel_scope.cancel()
+        finally:
+            # Closed once the loops have ended: a probe between two of its requests when
+            # the cancel came would otherwise find its client closed, and log a traceback.
+            with anyio.CancelScope(shield=True):
+                await client.aclose()
+                await own_client.aclose()
+            runtime.recorder.flush()
 
     return Front(
         Starlette(

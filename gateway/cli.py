@@ -178,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="listen address (overrides config)")
     serve.add_argument("--port", type=_port, help="listen port (overrides config)")
     serve.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace")
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
     )
     serve.set_defaults(func=_serve)
 

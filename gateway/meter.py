@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.window import RollingWindow
+from gateway.window import ItlBuckets, RollingWindow
 
 # What an event is looked at for; the definitions are the regular expressions,
 # the functions below find the same matches with byte searches first (a few
@@ -44,6 +44,8 @@ _TOOL_CALLS = re.compile(rb'"tool_calls"\s*:\s*\[\s*\{')
 _FINISH_VALUE = re.compile(rb'\s*:\s*"([A-Za-z_]+)"')  # anchored after "finish_reason"
 _EMPTY_ARRAY = re.compile(rb"\s*:\s*\[\s*\]")  # anchored after "choices"
 _OBJECT_VALUE = re.compile(rb"\s*:\s*\{")  # anchored after "usage"
+# Reasoning text: a non-empty string under a reasoning key (not one quoted in a string).
+_REASONING = re.compile(rb'(?<!\\)"(?:reasoning_content|reasoning)"\s*:\s*"(?!")')
 
 
 def carries_output(event: bytes) -> bool:
@@ -134,6 +136,9 @@ FLUSH_INTERVAL_S = 0.25
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Of the completion tokens, the reasoning's (vLLM and OpenAI:
+    # ``completion_tokens_details.reasoning_tokens``; SGLang: ``reasoning_tokens``).
+    reasoning_tokens: int = 0
 
     @classmethod
     def from_json(cls, usage: Any) -> Usage | None:
@@ -145,12 +150,24 @@ class Usage:
         completion = usage.get("completion_tokens") or 0
         if type(prompt) is not int or type(completion) is not int:
             return None
-        return cls(prompt, completion)
+        details = usage.get("completion_tokens_details")
+        reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
+        if reasoning is None:
+            reasoning = usage.get("reasoning_tokens")
+        if type(reasoning) is not int or not 0 < reasoning <= completion:
+            reasoning = 0  # unreadable: no correction rather than a wrong one
+        return cls(prompt, completion, reasoning)
 
 
 @dataclass(slots=True)
 class StreamMeter:
-    """Feeds on framed events in arrival order; reads times from ``clock``."""
+    """Feeds on framed events in arrival order; reads times from ``clock``.
+
+    Each stream's first output events take a slow path (:meth:`_early_output`) that
+    tells its sequences apart and looks at how reasoning is streamed; from the second
+    event of the first sequence on, a stream of one sequence costs one comparison
+    an event.
+    """
 
     started: float  # when the gateway received the request
     strip_usage: bool = False  # the gateway asked for usage; the client did not
@@ -165,7 +182,9 @@ class StreamMeter:
     client_error: bool = False  # the engine's error event blames the request (a 4xx code)
     done: bool = False
     # The request may stream several sequences (n > 1, a list of prompts): each output
-    # event's gap then runs from its own sequence's last output time.
+    # event's gap then runs from its own sequence's last output time. Also set once an
+    # event of a sequence other than the first shows up (``n`` the request spelled in a
+    # way the gateway did not read as > 1).
     several_sequences: bool = False
     last_by_sequence: dict[int | None, float] | None = None
     # Live feed of the backend's rolling window (None: not fed, e.g. in the bench).
@@ -173,7 +192,18 @@ class StreamMeter:
     admitted: float = 0.0  # when the backend was chosen; its TTFT starts here
     flushed_gaps: int = 0
     flushed_events: int = 0
+    flushed_tokens: int = 0  # output tokens handed to the window (estimated while live)
     last_flush: float = 0.0
+    # One sequence, past its first gap: the per-event fast path.
+    plain: bool = False
+    # Reasoning, for tokens that were never streamed (see _carried): the output events
+    # that opened a sequence with reasoning, and whether the first second output event
+    # of a sequence carried reasoning (None: not seen yet).
+    reasoning_openings: int = 0
+    reasoning_streamed: bool | None = None
+    # Live ITL feeds made with an estimated tokens-per-event ratio, to correct at the
+    # end: (the window's buckets they went to, first gap, end gap, tokens, events).
+    estimated: list[tuple[ItlBuckets, int, int, int, int]] = field(default_factory=list)
 
     def observe(self, events: list[bytes]) -> list[bytes] | None:
         """Record ``events``; returns the events to forward when some must be dropped."""
@@ -182,24 +212,21 @@ class StreamMeter:
         for position, event in enumerate(events):
             if self.finish_reason is None:
                 reason = finish_reason_of(event)
-                # The first sequence's, as a whole answer's is read (its first choice).
-                if reason is not None and (not self.several_sequences or _of_first_sequence(event)):
-                    self.finish_reason = reason
-                    if b'"usage"' in event:
-                        # Usage riding on the last chunk with choices, not on one of its
-                        # own (continuous usage stats put it on every chunk): read once.
-                        self._read_usage(event)
+                if reason is not None:
+                    # The first sequence's, as a whole answer's is read (its first choice).
+                    if _of_first_sequence(event):
+                        self.finish_reason = reason
+                        if b'"usage"' in event:
+                            # Usage riding on the last chunk with choices, not on one of
+                            # its own (continuous usage stats put it on every chunk).
+                            self._read_usage(event)
+                    elif not self.several_sequences:
+                        self._split_sequences()
             if carries_output(event):
-                if self.first_output is None:
-                    self.first_output = self.last_flush = now
-                    if self.window is not None:
-                        self.window.add_ttft(now, now - self.admitted)
-                    if self.several_sequences:
-                        self._sequence_output(event, now)
-                elif not self.several_sequences:
+                if self.plain:
                     self.gaps.append(now - self.last_output)  # type: ignore[operator]
                 else:
-                    self._sequence_output(event, now)
+                    self._early_output(event, now)
                 self.last_output = now
                 self.output_events += 1
             # The usage-only chunk has empty choices: it never carries output.
@@ -220,26 +247,83 @@ class StreamMeter:
             return None
         return [event for position, event in enumerate(events) if position not in dropped]
 
-    def _sequence_output(self, event: bytes, now: float) -> None:
-        """An output event of a stream that may hold several sequences: its gap runs from
-        the same sequence's previous output event, not from another sequence's."""
+    def _early_output(self, event: bytes, now: float) -> None:
+        """An output event off the fast path: of a stream of several sequences, or before
+        the first sequence's second output event. Its gap runs from the same sequence's
+        previous output event, not from another sequence's."""
+        if self.first_output is None:
+            self.first_output = self.last_flush = now
+            if self.window is not None:
+                self.window.add_ttft(now, now - self.admitted)
         seen = self.last_by_sequence
         if seen is None:
             seen = self.last_by_sequence = {}
         index = 0 if _FIRST_SEQUENCE in event else _choice_index(event)
+        if index is None and not self.several_sequences:
+            index = 0  # an event whose index cannot be read is the one sequence's
         last = seen.get(index)
-        if last is not None:
-            self.gaps.append(now - last)
         seen[index] = now
+        if last is None:
+            if _carries_reasoning(event):
+                self.reasoning_openings += 1
+            if index not in (0, None) and not self.several_sequences:
+                self._split_sequences()
+            return
+        self.gaps.append(now - last)
+        if self.reasoning_streamed is None:
+            self.reasoning_streamed = _carries_reasoning(event)
+        if not self.several_sequences:
+            # The first sequence's second event, and no other sequence: one sequence.
+            self.plain = True
+            self.last_by_sequence = None
 
-    def flush(self, now: float) -> None:
-        """Hand the gaps and output events seen since the last flush to the window."""
+    def _split_sequences(self) -> None:
+        """An event of another sequence than the first: time each one on its own from
+        now on (the output events so far were the first sequence's)."""
+        self.several_sequences = True
+        self.plain = False
+        if self.last_by_sequence is None and self.last_output is not None:
+            self.last_by_sequence = {0: self.last_output}
+
+    def flush(self, now: float, *, final: bool = False) -> None:
+        """Hand the gaps and output events seen since the last flush to the window.
+
+        The window counts ITL per token, as ``token_gaps`` does, but how many tokens an
+        event carries (vLLM's ``--stream-interval``, speculative decoding) is known only
+        from the usage at the end. While the stream runs, each gap is spread over the
+        backend's recent tokens per event (learned from its finished streams; one
+        before the first) and remembered; the final flush spreads the rest by the
+        stream's own usage and replaces what was estimated by the same values, in the
+        one-second slices they went to, so that once a stream ends the window holds
+        exactly its ``token_gaps()``. Costs nothing per chunk: a flush runs every
+        ``FLUSH_INTERVAL_S`` and at the end.
+        """
         window = self.window
         if window is None:
             return
-        window.add_itl(now, self.gaps[self.flushed_gaps :])
-        window.add_tokens(now, self.output_events - self.flushed_events)
-        self.flushed_gaps = len(self.gaps)
+        start, end = self.flushed_gaps, len(self.gaps)
+        carried = self._carried() if final else None
+        if carried is None:
+            tokens, events = window.tokens_per_event
+        else:
+            tokens, events = carried
+            for buckets, first, last, was_tokens, was_events in self.estimated:
+                if not _same_spread(was_tokens, was_events, tokens, events):
+                    part = self.gaps[first:last]
+                    buckets.remove_many(_spread(part, first, was_tokens, was_events))
+                    buckets.add_many(_spread(part, first, tokens, events))
+            self.estimated.clear()
+        if end > start:
+            buckets = window.add_itl(now, _spread(self.gaps[start:end], start, tokens, events))
+            if carried is None:
+                self.estimated.append((buckets, start, end, tokens, events))
+        if carried is not None or tokens <= events:
+            output = self.output_events  # exact counts come with the usage, at the end
+        else:
+            output = self.output_events * tokens // events
+        window.add_tokens(now, max(0, output - self.flushed_tokens))
+        self.flushed_tokens = max(output, self.flushed_tokens)
+        self.flushed_gaps = end
         self.flushed_events = self.output_events
         self.last_flush = now
 
@@ -256,26 +340,77 @@ class StreamMeter:
     def ttft(self) -> float | None:
         return None if self.first_output is None else self.first_output - self.started
 
+    def _carried(self) -> tuple[int, int] | None:
+        """The tokens the output events carried after the first one's, and those events
+        (from the usage; None without it).
+
+        Tokens generated before the first output event are the TTFT's, not the gaps':
+        reasoning an engine did not stream (vLLM's ``include_reasoning: false`` drops
+        its deltas) or sent in one block as the first event (SGLang's
+        ``stream_reasoning: false``) is counted in ``completion_tokens`` all the same,
+        and spread over the visible gaps it would make them read many times too
+        short. So when the first second output event of a sequence carries no
+        reasoning, the usage's reasoning tokens are taken out, and so are the events that opened
+        a sequence with reasoning (each such block is the TTFT's event)."""
+        usage = self.usage
+        if usage is None:
+            return None
+        tokens, events = usage.completion_tokens, self.output_events
+        if usage.reasoning_tokens and not self.reasoning_streamed:
+            tokens -= usage.reasoning_tokens
+            events -= self.reasoning_openings
+        return (tokens, events) if events > 0 else None
+
+    @property
+    def tokens_per_event(self) -> float | None:
+        """The output tokens per output event, from the usage; None without it."""
+        carried = self._carried()
+        return None if carried is None else max(1.0, carried[0] / carried[1])
+
     def token_gaps(self) -> list[float]:
         """Inter-token latencies: the gap before an event carrying k tokens, as k values of
         gap/k, so they add up to the time from the first output event to the last (of
         each sequence, when the stream holds several).
 
-        Events are taken to carry the usage's tokens evenly; k is a whole number per
-        event, spread so that the gaps hold ``floor(gaps * tokens per event)`` values.
-        Rounding down: a token counted by usage but carried by no output event (the EOS
-        of an empty final chunk) makes no gap of its own."""
-        gaps = self.gaps
-        completion = self.usage.completion_tokens if self.usage else 0
-        if not gaps or completion <= self.output_events:
-            return gaps
-        count = len(gaps)
-        values = count * completion // self.output_events
-        spread = []
-        for index, gap in enumerate(gaps):
-            tokens = (index + 1) * values // count - index * values // count
-            spread += [gap / tokens] * tokens
-        return spread
+        Events are taken to carry the usage's tokens evenly (the reasoning tokens never
+        streamed left out: see ``_carried``); k is a whole number per event, spread so
+        that the gaps hold ``floor(gaps * tokens per event)`` values. Rounding down: a
+        token counted by usage but carried by no output event (the EOS of an empty
+        final chunk) makes no gap of its own."""
+        carried = self._carried()
+        if carried is None:
+            return self.gaps
+        return _spread(self.gaps, 0, *carried)
+
+
+def _spread(gaps: list[float], first: int, tokens: int, events: int) -> list[float]:
+    """``gaps`` (the stream's from index ``first`` on) as per-token values, ``tokens`` over
+    ``events``: gap i stands for ``(i+1)*tokens//events - i*tokens//events`` tokens, so
+    that spreading a stream's gaps in parts gives the values of spreading them whole.
+    At most a token an event: the gaps as they are."""
+    if tokens <= events:
+        return gaps
+    spread: list[float] = []
+    before = first * tokens // events
+    for index, gap in enumerate(gaps, first + 1):
+        upto = index * tokens // events
+        if upto > before:
+            spread += [gap / (upto - before)] * (upto - before)
+        before = upto
+    return spread
+
+
+def _same_spread(tokens: int, events: int, other_tokens: int, other_events: int) -> bool:
+    """Whether two ratios spread gaps into the same values (equal fractions, or both at
+    most a token an event)."""
+    if tokens <= events and other_tokens <= other_events:
+        return True
+    return tokens * other_events == other_tokens * events
+
+
+def _carries_reasoning(event: bytes) -> bool:
+    """Whether the event carries reasoning text (looked at for a stream's first events)."""
+    return b'"reasoning' in event and _REASONING.search(event) is not None
 
 
 def _choice_index(event: bytes) -> int | None:

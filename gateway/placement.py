@@ -85,7 +85,7 @@ class Route:
 def may_serve(replica: Replica, model: str) -> bool:
     """It serves ``model``, or may: added by a reload without ``models`` and not probed
     yet, it has not said what it serves (requests wait for that first verdict)."""
-    return model in replica.models or (not replica.probed and not replica.config.models)
+    return replica.serves(model) or (not replica.probed and not replica.config.models)
 
 
 def candidates(runtime: Runtime, pool: str, route: Route, tried: set[str]) -> list[Replica]:
@@ -151,7 +151,7 @@ def _servers(runtime: Runtime, model: str) -> tuple[list[Replica], bool]:
     serving = [r for r in runtime.current.backends.replicas if may_serve(r, model)]
     if not serving:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    return serving, any(model in r.models for r in serving)
+    return serving, any(r.serves(model) for r in serving)
 
 
 async def plan_route(
@@ -176,6 +176,7 @@ async def plan_route(
         # A reload while the prompt was counted (on a backend's /tokenize, in a tokenizer
         # thread): planned on the pools and replicas there are now, not on removed ones.
         settings = runtime.current.settings
+        routing = settings.routing  # one snapshot for the whole plan
         serving, listed = _servers(runtime, model)
         healthy = [r for r in serving if r.healthy or not r.probed]
         if not healthy:
@@ -244,6 +245,9 @@ def _place(
     return fit, plan
 
 
+_NOTHING_TRIED: frozenset[str] = frozenset()
+
+
 def live_route(runtime: Runtime, route: Route, tried: set[str]) -> Route | None:
     """The route as it stands now: the same while its home pool has a replica that could
     serve it (healthy, or added and not probed yet); else planned again, as a request
@@ -251,8 +255,11 @@ def live_route(runtime: Runtime, route: Route, tried: set[str]) -> Route | None:
     it any more. A waiter is never left to sleep on a pool that lost its backends (a
     crash, a reload that removed or re-addressed them) nor on a pool a reload removed."""
     home = route.plan.home
+    # Lost means no replica left, whatever this request tried: a retry whose home replicas
+    # all failed it keeps its plan (it may borrow only idle headroom, as before), rather
+    # than make a lender its home.
     if any(
-        (r.healthy or not r.probed) and route.could_serve(r, tried)
+        (r.healthy or not r.probed) and route.could_serve(r, _NOTHING_TRIED)
         for r in runtime.current.backends.in_pool(home)
     ):
         return route
@@ -346,16 +353,18 @@ def make_pick(
         # or added while it queued, and fail fast when none is left.
         settings = runtime.current.settings
         mono = time.monotonic()
-        live = live_route(runtime, route, tried)
-        if live is None:
-            if not route.listed and not any(
-                may_serve(r, route.model) for r in runtime.current.backends.replicas
-            ):  # it waited for new replicas' first verdicts, and none serves the model
-                raise ModelNotFound(f"The model `{route.model}` does not exist.", param="model")
-            raise NoHealthyBackend(f"no healthy backend serves `{route.model}` for this request")
-        # A route has a replica healthy or awaiting its first probe in its home pool: with
-        # no candidate at all, it waits for that probe's verdict (a round starts at once).
-        replicas = {pool: candidates(runtime, pool, live, tried) for pool in live.pools}
+        live = route
+        replicas = {pool: candidates(runtime, pool, route, tried) for pool in route.pools}
+        if not replicas[route.plan.home]:  # the common case has some: no more to check
+            live = _still_servable(runtime, route, tried)
+            if live is not route:
+                replicas = {pool: candidates(runtime, pool, live, tried) for pool in live.pools}
+            if not any(replicas.values()) and not awaiting_probe(runtime, live, tried):
+                pools = "`, `".join(live.pools)
+                message = f"no healthy backend in pool `{pools}` serves `{live.model}`"
+                raise NoHealthyBackend(message)
+            # With no candidate at all, it waits for a new replica's first verdict (a probe
+            # round starts at once).
         chosen = choose_across_pools(
             live.plan,
             request,
@@ -372,3 +381,16 @@ def make_pick(
         return Claim(replica, load.cost_of(route.cost))  # at most its sequences' contexts
 
     return pick
+
+
+def _still_servable(runtime: Runtime, route: Route, tried: set[str]) -> Route:
+    """The route, planned again if its home lost its replicas; refused when nothing can
+    serve it any more."""
+    live = live_route(runtime, route, tried)
+    if live is not None:
+        return live
+    if not route.listed and not any(
+        may_serve(r, route.model) for r in runtime.current.backends.replicas
+    ):  # it waited for new replicas' first verdicts, and none serves the model
+        raise ModelNotFound(f"The model `{route.model}` does not exist.", param="model")
+    raise NoHealthyBackend(f"no healthy backend serves `{route.model}` for this request")

@@ -49,7 +49,7 @@ class HeadWithBody:
     a close) send it first: ``protocol.held_head`` names it.
     """
 
-    __slots__ = ("_transport", "_held", "_holding", "_loop", "_protocol")
+    __slots__ = ("_held", "_holding", "_loop", "_protocol", "_transport")
 
     def __init__(
         self,

@@ -151,9 +151,19 @@ _INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
 
 def _several_sequences(payload: Mapping[str, Any]) -> bool:
     """Whether the stream may interleave several sequences: ``n`` > 1, or a list of
-    prompts (a list of token ids is one prompt)."""
+    prompts (a list of token ids is one prompt).
+
+    ``n`` is read as the engines' pydantic reads an integer in lax mode: ``"2"`` and
+    ``2.0`` are 2, ``true`` is 1. A spelling it refuses (``"2.5"``) may read as > 1 here:
+    harmless, as the engine then answers 400 and streams nothing. (The meter also turns
+    to per-sequence timing at the first event of a sequence other than the first.)"""
     n = payload.get("n")
-    if isinstance(n, int) and n > 1:
+    if isinstance(n, str):
+        try:
+            n = float(n)
+        except ValueError:
+            n = None
+    if isinstance(n, int | float) and not isinstance(n, bool) and n > 1:
         return True
     prompt = payload.get("prompt")
     return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
@@ -289,8 +299,8 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             continue
         if upstream.status_code >= 500:  # relayed, as no other replica is left to try
             replica.record_failure(settings.health.failure_threshold)
-        else:
-            replica.record_success()
+        # Otherwise the backend has not succeeded yet: its answer may still be cut or
+        # stall. Success is recorded once the body is whole (_buffered, _StreamFinisher).
         extra = {"x-kneecap-backend": replica.name}  # the request id is the front's to stamp
         if streaming and upstream.status_code == 200:
             meter = StreamMeter(
@@ -363,13 +373,17 @@ def _refusal(runtime: Runtime, pool: str, exc: QueueFull | QueueTimeout) -> Gate
 def _release(
     runtime: Runtime, flight: Flight, lease: Lease[Claim[Replica]], outcome: Outcome
 ) -> None:
-    """Release the lease; other pools hear of it too when requests cross pools."""
-    lease.release(outcome)  # wakes the home pool's queue
-    spill = runtime.current.settings.routing.spill
-    if spill.to_longer or spill.to_shorter or lease.backend.backend.pool != flight.pool:
-        for name, admission in runtime.admissions.items():
-            if name != flight.pool:
-                admission.notify()
+    """Release the lease; other pools' waiters hear of it too: they may borrow from its
+    replica, or have been planned onto its pool when their own lost its replicas."""
+    lease.release(outcome)  # wakes the queue it was taken from
+    owner = lease.backend.backend.pool
+    for name, admission in runtime.admissions.items():
+        if name == flight.pool:
+            continue
+        if name == owner:  # lent: the room freed is this pool's, in its drain rate too
+            admission.note_drained()
+        if admission.depth():
+            admission.notify()
 
 
 def _calibrate(runtime: Runtime, route: Route, usage: Usage | None) -> None:
@@ -406,9 +420,11 @@ class _StreamFinisher:
     def release(self, end: StreamEnd) -> None:
         outcome = _OUTCOME[end.status]
         try:
+            replica = self.lease.backend.backend
             if outcome is Outcome.DROPPED:
-                threshold = self.runtime.current.settings.health.failure_threshold
-                self.lease.backend.backend.record_failure(threshold)
+                replica.record_failure(self.runtime.current.settings.health.failure_threshold)
+            elif outcome is Outcome.SUCCESS:
+                replica.record_success()
         finally:
             _release(self.runtime, self.flight, self.lease, outcome)
 
@@ -424,17 +440,21 @@ async def _buffered(
     status: RequestStatus = "upstream_error"
     usage = None
     finish_reason = None
+    replica = lease.backend.backend
     try:
         body = await upstream.aread()
         status = "ok" if upstream.status_code < 400 else "client_error"
         if upstream.status_code >= 500:
-            status = "upstream_error"
+            status = "upstream_error"  # counted against the backend when its head came
+        else:
+            replica.record_success()  # the whole answer is in: only now
         if status == "ok":
             usage = _usage_of(body)
             # The first choice's: engines write choices in order.
             finish_reason = finish_reason_of(body)
     except httpx.HTTPError as exc:
         status = _status_of(exc)
+        replica.record_failure(runtime.current.settings.health.failure_threshold)
         if status == "upstream_timeout":
             raise UpstreamTimeout(f"upstream timed out while sending its answer: {exc}") from exc
         raise UpstreamError(f"upstream failed while sending its answer: {exc}") from exc

@@ -156,13 +156,17 @@ class Recorder:
         self.recent.append(record)
         window = replica.window
         if meter is not None:
-            meter.flush(end)
+            meter.flush(end, final=True)  # the window's ITL becomes this record's
         if status == "ok":
             window.add_completed(end)
-            # Usage is exact; the live feed counted output events, which may be fewer.
-            counted = meter.flushed_events if meter is not None else 0
+            # Usage is exact; the live feed counted output events (times the backend's
+            # tokens per event), which may be fewer.
+            counted = meter.flushed_tokens if meter is not None else 0
             if usage and usage.completion_tokens > counted:
                 window.add_tokens(end, usage.completion_tokens - counted)
+            ratio = meter.tokens_per_event if meter is not None else None
+            if ratio is not None:
+                window.learn_tokens_per_event(ratio)
 
     def rejected(self, pool: str, reason: RejectReason) -> None:
         self.metrics.observe_rejection(pool, reason)

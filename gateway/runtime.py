@@ -129,6 +129,7 @@ class Runtime:
         no event in its own pool to say so (a replica ejected by failed requests, which no
         probe announces; a release in the pool it was planned onto or borrows from)."""
         self.recorder.flush()  # the windows the controllers read
+        self._drop_removed_pools()  # gone from /admin/state once drained, scraped or not
         now, mono = time.perf_counter(), time.monotonic()
         staleness = self.current.settings.measurement.scrape_staleness_s
 

@@ -45,7 +45,7 @@ class WindowStats:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-class _LogBuckets:
+class ItlBuckets:
     """Counts of values in log-spaced buckets: percentiles without keeping or sorting values.
 
     ITL has one value per output token — tens of thousands per window on a busy
@@ -74,12 +74,23 @@ class _LogBuckets:
             added += 1
         self.total += added
 
+    def remove_many(self, values: Iterable[float]) -> None:
+        """Take back values added before (a stream's estimated ITL, corrected at its end)."""
+        counts = self.counts
+        floor, log_growth, log = self.FLOOR, self._LOG_GROWTH, math.log
+        for value in values:
+            index = int(log(value / floor) / log_growth) if value > floor else 0
+            left = counts.get(index, 0)
+            if left:  # never below zero, whatever is asked
+                counts[index] = left - 1
+                self.total -= 1
+
     @classmethod
     def value_of(cls, index: int) -> float:
         return cls.FLOOR * cls.GROWTH ** (index + 0.5)
 
 
-def _bucket_percentiles(slices: Iterable[_LogBuckets], qs: Sequence[float]) -> list[float | None]:
+def _bucket_percentiles(slices: Iterable[ItlBuckets], qs: Sequence[float]) -> list[float | None]:
     merged: dict[int, int] = {}
     total = 0
     for part in slices:
@@ -95,7 +106,7 @@ def _bucket_percentiles(slices: Iterable[_LogBuckets], qs: Sequence[float]) -> l
         seen += merged[index]
         for i, rank in enumerate(ranks):
             if results[i] is None and seen >= rank:
-                results[i] = _LogBuckets.value_of(index)
+                results[i] = ItlBuckets.value_of(index)
     return results
 
 
@@ -107,7 +118,11 @@ class RollingWindow:
         self.span_s = span_s
         self._created = created
         self._ttft: deque[tuple[float, float]] = deque()
-        self._itl: deque[tuple[float, _LogBuckets]] = deque()  # (slice start, counts)
+        self._itl: deque[tuple[float, ItlBuckets]] = deque()  # (slice start, counts)
+        # Output tokens per output event of this backend's streams, learned as they end
+        # (vLLM's --stream-interval, speculative decoding: several): how the meters
+        # spread a running stream's gaps over tokens before its usage is known.
+        self._tokens_per_event: float | None = None
         self._tokens: deque[tuple[float, int]] = deque()
         self._completed: deque[float] = deque()
 
@@ -115,10 +130,30 @@ class RollingWindow:
         self._mark(now)
         self._ttft.append((now, ttft))
 
-    def add_itl(self, now: float, gaps: Iterable[float]) -> None:
+    def add_itl(self, now: float, gaps: Iterable[float]) -> ItlBuckets:
+        """Count per-token gaps; returns the slice's buckets they went to."""
         if not self._itl or now - self._itl[-1][0] >= self.SLICE_S:
-            self._itl.append((now, _LogBuckets()))
-        self._itl[-1][1].add_many(gaps)
+            self._itl.append((now, ItlBuckets()))
+        buckets = self._itl[-1][1]
+        buckets.add_many(gaps)
+        return buckets
+
+    # The learned ratio moves this far towards each finished stream's.
+    TOKENS_PER_EVENT_WEIGHT = 0.25
+
+    def learn_tokens_per_event(self, ratio: float) -> None:
+        """A finished stream's output tokens per output event (at least one)."""
+        known = self._tokens_per_event
+        if known is None:
+            self._tokens_per_event = ratio
+        else:
+            self._tokens_per_event = known + self.TOKENS_PER_EVENT_WEIGHT * (ratio - known)
+
+    @property
+    def tokens_per_event(self) -> tuple[int, int]:
+        """The learned ratio as a fraction (tokens, events); 1 before any stream ended."""
+        ratio = self._tokens_per_event
+        return (1, 1) if ratio is None else (round(ratio * 1000), 1000)
 
     def add_tokens(self, now: float, count: int) -> None:
         self._mark(now)

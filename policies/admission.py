@@ -229,6 +229,11 @@ class PoolAdmission(Generic[T]):
             backend = pick()
             if backend is not None and not self._wanted_by_waiters(backend, self._queue):
                 return self._lease(backend, 0.0)
+        if not self._leased and not len(self._queue):
+            # No room, and none of it this pool's own: its backends are busy with requests
+            # it lent them to (or a pool whose replicas left planned onto it). A busy spell
+            # starts now, not at the pool's last lease, so idle time is not read as no drain.
+            self._maybe_begin_spell(now)
         if len(self._queue) >= self._max_queue_depth:
             raise QueueFull(
                 f"pool {self.name!r} queue is full",
@@ -344,10 +349,23 @@ class PoolAdmission(Generic[T]):
 
     def _take(self, backend: T) -> None:
         if not self._leased and not len(self._queue):  # idle until now: a busy spell starts
-            self._started = self._clock()
-            self._releases.clear()
+            self._maybe_begin_spell(self._clock())
         backend.in_flight += 1
         self._leased += 1
+
+    def _maybe_begin_spell(self, now: float) -> None:
+        """The drain rate is measured from here, unless the drain window still holds
+        releases: a pool idle for a moment between requests keeps its recent rate."""
+        self._forget_releases(now)
+        if not self._releases:
+            self._started = now
+
+    def note_drained(self) -> None:
+        """A request another pool admitted onto one of this pool's backends ended: room
+        freed here, which this pool's drain rate (its Retry-After) counts."""
+        now = self._clock()
+        self._releases.append(now)
+        self._forget_releases(now)
 
     def _lease(self, backend: T, queue_wait: float) -> Lease[T]:
         self._take(backend)

@@ -502,17 +502,35 @@ async def test_retry_after_does_not_count_time_the_pool_sat_idle() -> None:
     held.release(Outcome.SUCCESS)
 
 
+async def test_a_pool_whose_backend_is_lent_out_does_not_read_idle_time_as_no_drain() -> None:
+    clock = Clock()
+    b = Backend("l0", limit=1)
+    pick = first_with_room(b)
+    lender = pool(clock, depth=0)  # refuses at once when it has no room
+    borrower = pool(clock)
+    clock.now += 10.0  # the lender idle a whole drain window
+    lent = await borrower.acquire(pick, priority=Priority.INTERACTIVE, deadline=FAR)
+    clock.now += 0.2
+    with pytest.raises(QueueFull) as refused:
+        await lender.acquire(pick, priority=Priority.INTERACTIVE, deadline=FAR)
+    # Busy since it had to refuse, not "nothing drained for 10 s" (which read 10 s).
+    assert refused.value.retry_after == 1.0
+    clock.now += 2.0
+    lent.release(Outcome.SUCCESS)
+    lender.note_drained()  # what the gateway tells a pool whose lent backend freed
+    assert lender.retry_after() == 2.0  # one drained in the 2 s busy: 2 s per request
+
+
 async def test_waiters_timing_out_together_hear_the_same_retry_after() -> None:
     b = Backend("a", limit=0)
     pick = first_with_room(b)
     shift = [0.0]
-    # The real clock (the waits are anyio's timers), moved on once the pool is made: a
-    # pool idle for a drain window with waiters estimates 10 s per queued request.
+    # The real clock (the waits are anyio's timers), moved on once the waiters are queued:
+    # a pool busy for a drain window with nothing drained estimates 10 s per request.
     adm = PoolAdmission(
         max_queue_depth=10, batch_share=0.0, clock=lambda: time.monotonic() + shift[0]
     )
-    shift[0] = 10.0
-    deadline = time.monotonic() + shift[0] + 0.05
+    deadline = time.monotonic() + 0.05
     refusals: list[float] = []
 
     async def wait() -> None:
@@ -523,6 +541,8 @@ async def test_waiters_timing_out_together_hear_the_same_retry_after() -> None:
     async with anyio.create_task_group() as tg:
         for _ in range(4):
             tg.start_soon(wait)
+        await wait_all_tasks_blocked()
+        shift[0] = 10.0  # they waited out a whole drain window, nothing released
     # Each is told of the queue behind it (none): not 40, 30, 20 and 10 s.
     assert refusals == [10.0] * 4
     assert adm.depth() == 0

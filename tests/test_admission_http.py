@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.procs import MODEL, Gateway, Proc, backend, start_gateway, start_sim, wait_until
+from tests.procs import (
+    MODEL,
+    Gateway,
+    Proc,
+    backend,
+    start_gateway,
+    start_raw_sse,
+    start_sim,
+    wait_until,
+)
+from tests.test_reload_live import HEAD, chat, held_chat, sse
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
 STATIC_1 = {"kind": "static", "initial": 1, "min": 1, "max": 1}
@@ -258,35 +269,41 @@ def test_a_request_for_an_idle_backend_does_not_wait_behind_one_for_a_busy_one(
         idle.stop()
 
 
-def test_a_batch_key_cannot_make_itself_interactive(tmp_path: Path, slow_sim: Proc) -> None:
+def test_a_batch_key_cannot_make_itself_interactive(tmp_path: Path) -> None:
+    raw = start_raw_sse(tmp_path)  # its held stream keeps the one permit until poked
     config = {
-        "backends": [backend("s", slow_sim.url, limit=STATIC_1)],
+        "backends": [backend("s", raw.url, limit=STATIC_1)],
         "pools": {"short": {"max_queue_depth": 8, "max_queue_wait_s": 30}},
         "auth": {"api_keys": ["sk-team", {"key": "sk-nightly", "priority": "batch"}]},
     }
     gw = start_gateway(tmp_path, config)
-    results: list = []
     team = {"authorization": "Bearer sk-team"}
+    quick = chat([["send", HEAD + sse("a") + "data: [DONE]\n\n"], ["close"]])
 
     def queued(priority: str) -> float:
         text = httpx.get(gw.url + "/metrics", timeout=5).text
         prefix = f'kneecap_queue_depth{{pool="short",priority="{priority}"}} '
-        return float(next(line for line in text.splitlines() if line.startswith(prefix))[len(prefix):])
+        line = next(line for line in text.splitlines() if line.startswith(prefix))
+        return float(line[len(prefix) :])
+
+    def post(body: dict, headers: dict) -> int:
+        url = gw.url + "/v1/chat/completions"
+        return httpx.post(url, json=body, headers=headers, timeout=30).status_code
 
     try:
-        busy = stream_in_background(gw, 150, results, headers=team)  # holds the one permit
-        wait_until(lambda: gw.state()["backends"][0]["in_flight"] == 1)
-        claims = {"authorization": "Bearer sk-nightly", "x-kneecap-priority": "interactive"}
-        waiter = stream_in_background(gw, 1, results, headers=claims)
-        wait_until(lambda: pool_state(gw)["queue_depth"] == 1)
-        # The operator made this key batch: its header may not lift it over interactive keys.
-        assert (queued("batch"), queued("interactive")) == (1.0, 0.0)
-        yields = {**team, "x-kneecap-priority": "batch"}  # a client may always yield
-        third = stream_in_background(gw, 1, results, headers=yields)
-        wait_until(lambda: pool_state(gw)["queue_depth"] == 2)
-        assert (queued("batch"), queued("interactive")) == (2.0, 0.0)
-        for thread in (busy, waiter, third):
-            thread.join(30)
-        assert sorted(results) == [(200, 1), (200, 1), (200, 150)]
+        with ThreadPoolExecutor(3) as clients:
+            holder = clients.submit(post, held_chat(), team)
+            wait_until(lambda: gw.state()["backends"][0]["in_flight"] == 1)
+            claims = {"authorization": "Bearer sk-nightly", "x-kneecap-priority": "interactive"}
+            waiter = clients.submit(post, quick, claims)
+            wait_until(lambda: pool_state(gw)["queue_depth"] == 1)
+            # The operator made this key batch: its header may not lift it over others.
+            assert (queued("batch"), queued("interactive")) == (1.0, 0.0)
+            yields = clients.submit(post, quick, {**team, "x-kneecap-priority": "batch"})
+            wait_until(lambda: pool_state(gw)["queue_depth"] == 2)  # a client may yield
+            assert (queued("batch"), queued("interactive")) == (2.0, 0.0)
+            assert httpx.get(raw.url + "/poke", timeout=10).status_code == 200
+            assert [f.result(timeout=30) for f in (holder, waiter, yields)] == [200, 200, 200]
     finally:
         gw.proc.stop()
+        raw.stop()

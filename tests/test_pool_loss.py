@@ -34,10 +34,16 @@ from tests.procs import (
     start_raw_sse,
     wait_until,
 )
+from tests.test_reload_live import (  # the same raw-backend scripts and config pieces
+    NO_BUDGET,
+    QUICK_STOP,
+    QUIET_HEALTH,
+    held_chat,
+    reload,
+    sse,
+    static,
+)
 
-QUICK_STOP = {"drain_timeout_s": 1}
-QUIET_HEALTH = {"interval_s": 60}  # the startup round only, unless a reload wakes it
-NO_BUDGET = {"token_budget": {"enabled": False}}
 # Waiters would sleep this long: every wait below is bounded well under it.
 QUEUE_WAIT_S = 20
 PROMPT = [{"role": "user", "content": "x"}]  # a short prompt: its home is `short`
@@ -53,31 +59,7 @@ def raw(tmp_path: Path) -> Iterator[Proc]:
     yield from served(start_raw_sse(tmp_path))
 
 
-def static(limit: int) -> dict[str, Any]:
-    return {"kind": "static", "initial": limit, "min": 1, "max": limit}
-
-
-def sse(content: str) -> str:
-    event = {
-        "object": "chat.completion.chunk",
-        "choices": [{"index": 0, "delta": {"content": content}}],
-    }
-    return f"data: {json.dumps(event)}\n\n"
-
-
-def chunk(text: str) -> str:
-    return f"{len(text.encode()):x}\r\n{text}\r\n"
-
-
-CHUNKED = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 CLOSING = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
-
-
-def held_chat() -> dict[str, Any]:
-    """Its first event at once, the rest after a ``GET /poke``: holds a permit till then."""
-    rest = chunk(sse("b")) + chunk("data: [DONE]\n\n") + "0\r\n\r\n"
-    script = [["send", CHUNKED + chunk(sse("a"))], ["await_poke"], ["send", rest]]
-    return {"model": MODEL, "stream": True, "messages": PROMPT, "raw_script": script}
 
 
 def quick_chat() -> dict[str, Any]:
@@ -124,12 +106,6 @@ def ended(future: Future[Any], timeout: float, what: str) -> Any:
     except TimeoutError:
         raise AssertionError(f"{what}: no answer within {timeout}s") from None
     return future.result()
-
-
-def reload(gw: Gateway, config: dict[str, Any]) -> None:
-    gw.write_config(config)
-    answer = httpx.post(gw.url + "/admin/reload", timeout=5).json()
-    assert answer["ok"] is True, answer
 
 
 def poke(raw: Proc) -> None:

@@ -10,8 +10,16 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import MODEL, backend, start_gateway, start_sim, wait_until
-from tests.test_ops_robustness import counts, start_ops_backend
+from tests.procs import (
+    MODEL,
+    backend,
+    start_gateway,
+    start_raw_sse,
+    start_sim,
+    wait_until,
+)
+from tests.raw_sse_backend import MODEL as RAW_MODEL
+from tests.test_ops_robustness import start_ops_backend
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
 
@@ -199,8 +207,6 @@ def test_a_backend_failing_every_request_is_ejected_with_no_attempt_left(tmp_pat
     }
     gw = start_gateway(tmp_path, config)
     try:
-        # The first probe's verdict ("up") lands first, not between the failures.
-        wait_until(lambda: counts(broken)["model_listings"] >= 1)
         for _ in range(2):
             answer = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10)
             assert answer.status_code == 500
@@ -210,3 +216,43 @@ def test_a_backend_failing_every_request_is_ejected_with_no_attempt_left(tmp_pat
     finally:
         gw.proc.stop()
         broken.stop()
+
+
+CUT_WHOLE = 'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"id"'
+SSE_HEAD = (
+    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+FIRST_EVENT = 'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_backend_that_cuts_every_answer_is_ejected(tmp_path: Path, stream: bool) -> None:
+    """Its heads arrive, its bodies never end: each request fails after its head. Before,
+    the head counted as a success (the failure count back to 0) and the backend was never
+    ejected."""
+    raw = start_raw_sse(tmp_path)
+    config = {
+        "backends": [backend("cutter", raw.url, models=[RAW_MODEL])],
+        "health": {"interval_s": 60, "failure_threshold": 2},
+        "upstream": {"max_attempts": 1},
+    }
+    gw = start_gateway(tmp_path, config)
+    try:
+        if stream:
+            event = f"{len(FIRST_EVENT):x}\r\n{FIRST_EVENT}\r\n"
+            script = [["send", SSE_HEAD + event], ["reset"]]
+        else:
+            script = [["send", CUT_WHOLE], ["close"]]
+        body = {"model": RAW_MODEL, "messages": CHAT["messages"], "stream": stream}
+        for _ in range(2):
+            answer = httpx.post(
+                gw.url + "/v1/chat/completions", json={**body, "raw_script": script}, timeout=10
+            )
+            if stream:  # the head went out: the cut is told in the stream's last event
+                assert answer.status_code == 200 and '"upstream_error"' in answer.text
+            else:
+                assert answer.status_code == 502
+        assert [b["healthy"] for b in gw.state()["backends"]] == [False]
+    finally:
+        gw.proc.stop()
+        raw.stop()

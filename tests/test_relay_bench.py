@@ -61,3 +61,17 @@ def test_relay_bench_quick_run_produces_every_figure(tmp_path: Path) -> None:
     assert 0 < presend["gateway"] < figures[("(c)", "TTFT p50 ms")]["gateway"]
     # The printed table carries the same figures.
     assert "relayed chunks/s" in result.stdout and "via gateway" in result.stdout
+
+
+def test_interleaved_comparison_of_two_checkouts_reports_its_ratio() -> None:
+    """``gateway.perf.interleave`` against this very checkout, one slice pair: both
+    gateways answer, and the summary is printed (the figure itself is not judged)."""
+    command = ["gateway.perf.interleave", "--old", str(ROOT), "--no-pin", "--pairs", "1"]
+    result = subprocess.run(
+        [sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    summary = result.stdout.strip().splitlines()[-1]
+    assert summary.startswith("req_s: old mean") and "new/old median" in summary, result.stdout
+    ratio = float(summary.split("new/old median ")[1].split()[0])
+    assert 0 < ratio < 10

@@ -394,9 +394,7 @@ def test_a_reload_while_a_prompt_is_counted_plans_it_on_the_pools_there_are_now(
     try:
         with ThreadPoolExecutor(1) as pool:
             body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-            answer = pool.submit(
-                httpx.post, gw.url + "/v1/completions", json=body, timeout=30
-            )
+            answer = pool.submit(httpx.post, gw.url + "/v1/completions", json=body, timeout=30)
             wait_until(lambda: counts(engine)["posts"] >= 1)  # its /tokenize is under way
             second = {
                 **first,
@@ -410,3 +408,34 @@ def test_a_reload_while_a_prompt_is_counted_plans_it_on_the_pools_there_are_now(
     finally:
         gw.proc.stop()
         engine.stop()
+
+
+def test_a_removed_pool_leaves_the_admin_state_without_a_scrape(tmp_path: Path, raw: Proc) -> None:
+    """A reload removes pool `short` while a stream holds a lease in it; once that stream
+    ends the pool goes at the next control tick. Before, only a /metrics scrape (or another
+    reload) dropped it, so with no Prometheus it stayed listed for good."""
+    first: dict[str, Any] = {
+        "listen": QUICK_STOP,
+        "backends": [backend("s", raw.url, pool="short"), backend("l", raw.url, pool="long")],
+        "pools": {"short": {"max_prompt_tokens": 8192}, "long": {"min_prompt_tokens": 8192}},
+        "health": QUIET_HEALTH,
+        "admission": {"control_interval_s": 0.2},
+    }
+    gw = start_gateway(tmp_path, first)
+    try:
+        with ThreadPoolExecutor(1) as clients:
+            url = gw.url + "/v1/chat/completions"
+            held = clients.submit(httpx.post, url, json=held_chat(), timeout=30)
+            wait_until(lambda: gw.state()["pools"]["short"]["leased"] == 1)
+            second = {
+                **first,
+                "backends": [backend("l", raw.url, pool="long")],
+                "pools": {"long": {}},
+            }
+            reload(gw, second)
+            assert "short" in gw.state()["pools"]  # its stream still runs
+            poke(raw, 1)
+            assert held.result(timeout=30).status_code == 200
+        wait_until(lambda: set(gw.state()["pools"]) == {"long"}, timeout=5)
+    finally:
+        gw.proc.stop()

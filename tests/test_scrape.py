@@ -1,4 +1,5 @@
-"""Reading an engine's own /metrics: exact names, ranks summed (KV usage averaged), fallbacks, both engines."""
+"""Reading an engine's own /metrics: exact names, ranks summed (KV usage averaged),
+fallbacks, both engines."""
 
 from __future__ import annotations
 

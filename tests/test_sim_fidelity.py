@@ -304,5 +304,3 @@ def test_a_client_leaving_a_whole_answer_frees_its_sequence(module_tmp: Path) ->
         wait_until(lambda: running(slow) == 0, timeout=5)
     finally:
         slow.stop()
-
-

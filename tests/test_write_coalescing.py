@@ -14,8 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
+from uvicorn.server import ServerState
 
-from gateway.protocol import HeadWithBody
+from gateway.protocol import GatewayProtocol, HeadWithBody
 from tests.procs import MODEL, Gateway, Proc, backend, start_gateway, start_sim
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/PID/io")
@@ -34,7 +36,13 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, sim: Proc) -> Iterator[Gateway]:
-    gw = start_gateway(tmp_path_factory.mktemp("gw"), {"backends": [backend("sim-0", sim.url)]})
+    config = {
+        "backends": [backend("sim-0", sim.url)],
+        # Probes and scrapes write too: far apart, none lands among the counted requests.
+        "health": {"interval_s": 60},
+        "measurement": {"scrape_interval_s": 60},
+    }
+    gw = start_gateway(tmp_path_factory.mktemp("gw"), config)
     try:
         yield gw
     finally:
@@ -158,3 +166,48 @@ def test_a_head_held_when_the_connection_closes_is_dropped_quietly() -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         assert runner.run(scenario()) == b""
     assert errors == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("own_write", ["send_400_response", "shutdown", "keep_alive_timeout"])
+async def test_the_gateway_protocol_sends_a_held_head_before_its_own_writes(
+    own_write: str,
+) -> None:
+    """A real GatewayProtocol on a real connection: a response head is held when the
+    protocol itself writes (a 400 for a bad pipelined request read in the same turn) or
+    closes (shutdown, keep-alive timeout). The head must go first, never after or lost."""
+    config = uvicorn.Config(app=_never_called, http=GatewayProtocol, log_level="critical")
+    config.load()
+    state = ServerState()
+    made: asyncio.Future[GatewayProtocol] = asyncio.get_running_loop().create_future()
+
+    def factory() -> GatewayProtocol:
+        protocol = GatewayProtocol(config=config, server_state=state, app_state={})
+        if not made.done():
+            made.set_result(protocol)
+        return protocol
+
+    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        protocol = await asyncio.wait_for(made, 5)
+        head = HeadWithBody(protocol.transport, asyncio.get_running_loop(), protocol)
+        head.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")  # held, in this step:
+        if own_write == "send_400_response":
+            protocol.send_400_response("Invalid HTTP request received.")
+        elif own_write == "shutdown":
+            protocol.shutdown()
+        else:
+            protocol.timeout_keep_alive_handler()
+        received = await asyncio.wait_for(reader.read(), 5)  # until the protocol closed
+        assert received.startswith(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"), received
+        if own_write == "send_400_response":
+            assert b"400 Bad Request" in received
+    finally:
+        writer.close()
+        server.close()
+
+
+async def _never_called(scope: object, receive: object, send: object) -> None:
+    raise AssertionError("no request is sent in this test")

@@ -217,9 +217,9 @@ async def _read_body(receive: Receive) -> bytes | None:
 async def _cancel_on_disconnect(
     receive: Receive, streaming: asyncio.Task, left: list[bool]
 ) -> None:
-    """Stops the streaming (or generating) loop when the client goes. Not by closing its token iterator
-    from here: an async generator (the fixed-latency engine's) cannot be closed while the
-    loop is inside it, and every disconnect logged a RuntimeError."""
+    """Stops the streaming (or generating) loop when the client goes. Not by closing its
+    token iterator from here: an async generator (the fixed-latency engine's) cannot be
+    closed while the loop is inside it, and every disconnect logged a RuntimeError."""
     while (await receive())["type"] != "http.disconnect":
         pass
     left.append(True)
