@@ -28,7 +28,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.meter import StreamMeter, Usage, finish_reason_of
+from gateway.meter import StreamMeter, Usage
 from gateway.placement import (
     Route,
     awaiting_probe,
@@ -49,6 +49,7 @@ from gateway.relay import (
 )
 from gateway.runtime import Runtime
 from gateway.settings import PoolConfig
+from gateway.sse_events import finish_reason_of
 from gateway.upstream import UpstreamResponse
 from policies.admission import (
     Lease,

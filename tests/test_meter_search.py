@@ -1,4 +1,4 @@
-"""The meter's byte-search classifiers agree with the regular expressions that define them."""
+"""The SSE event classifiers' byte searches agree with the regular expressions defining them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from gateway import meter
+from gateway import sse_events as sse
+from gateway.meter import StreamMeter, Usage
 
 FRAGMENTS = [
     b'"content"', b'"reasoning_content"', b'"reasoning"', b'"text"', b'"tool_calls"',
@@ -41,19 +42,19 @@ def _events(count: int) -> list[bytes]:
     ],
 )  # fmt: skip
 def test_known_events(event: bytes, output: bool, finish: str | None, usage: bool) -> None:
-    assert meter.carries_output(event) is output
-    assert meter.finish_reason_of(event) == finish
-    assert meter.is_usage_chunk(event) is usage
+    assert sse.carries_output(event) is output
+    assert sse.finish_reason_of(event) == finish
+    assert sse.is_usage_chunk(event) is usage
 
 
 def test_byte_search_matches_the_regular_expressions() -> None:
     for event in _events(10_000):
-        assert meter.carries_output(event) == bool(meter._OUTPUT.search(event)), event
-        found = meter._FINISH.search(event)
-        assert meter.finish_reason_of(event) == (found.group(1).decode() if found else None), event
-        usage = meter._USAGE_OBJECT.search(event) and meter._USAGE_CHUNK.search(event)
-        assert meter.is_usage_chunk(event) == bool(usage), event
-        assert meter.is_error_event(event) == bool(meter._ERROR_EVENT.search(event)), event
+        assert sse.carries_output(event) == bool(sse._OUTPUT.search(event)), event
+        found = sse._FINISH.search(event)
+        assert sse.finish_reason_of(event) == (found.group(1).decode() if found else None), event
+        usage = sse._USAGE_OBJECT.search(event) and sse._USAGE_CHUNK.search(event)
+        assert sse.is_usage_chunk(event) == bool(usage), event
+        assert sse.is_error_event(event) == bool(sse._ERROR_EVENT.search(event)), event
 
 
 @pytest.mark.parametrize(
@@ -67,7 +68,7 @@ def test_byte_search_matches_the_regular_expressions() -> None:
     ],
 )
 def test_error_events_in_any_spelling(event: bytes) -> None:
-    assert meter.is_error_event(event)
+    assert sse.is_error_event(event)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,7 @@ def test_error_events_in_any_spelling(event: bytes) -> None:
     ],
 )
 def test_events_that_merely_mention_errors(event: bytes) -> None:
-    assert not meter.is_error_event(event)
+    assert not sse.is_error_event(event)
 
 
 @pytest.mark.parametrize(
@@ -94,8 +95,8 @@ def test_events_that_merely_mention_errors(event: bytes) -> None:
 def test_token_gaps_add_up_to_the_time_between_output_events(
     gaps: list[float], events: int, completion: int, count: int
 ) -> None:
-    measured = meter.StreamMeter(started=0.0, gaps=gaps, output_events=events)
-    measured.usage = meter.Usage(prompt_tokens=1, completion_tokens=completion)
+    measured = StreamMeter(started=0.0, gaps=gaps, output_events=events)
+    measured.usage = Usage(prompt_tokens=1, completion_tokens=completion)
     spread = measured.token_gaps()
     assert len(spread) == count
     assert sum(spread) == pytest.approx(sum(gaps))
