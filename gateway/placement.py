@@ -148,10 +148,17 @@ async def _estimate(
 def _servers(runtime: Runtime, model: str) -> tuple[list[Replica], bool]:
     """The replicas that serve ``model`` or may (see :func:`may_serve`), and whether any
     listed it; 404 when none may."""
-    serving = [r for r in runtime.current.backends.replicas if may_serve(r, model)]
+    serving: list[Replica] = []
+    listed = False
+    for replica in runtime.current.backends.replicas:  # one pass: this runs per request
+        if replica.serves(model):
+            serving.append(replica)
+            listed = True
+        elif not replica.probed and not replica.config.models:  # may_serve's other half
+            serving.append(replica)
     if not serving:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    return serving, any(r.serves(model) for r in serving)
+    return serving, listed
 
 
 async def plan_route(

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import httpx
 
-from backends.lax_bool import lax_bool
+from backends.lax import lax_bool, lax_int
 from backends.replica import Replica
 from gateway.errors import (
     GatewayError,
@@ -154,17 +154,11 @@ def _several_sequences(payload: Mapping[str, Any]) -> bool:
     """Whether the stream may interleave several sequences: ``n`` > 1, or a list of
     prompts (a list of token ids is one prompt).
 
-    ``n`` is read as the engines' pydantic reads an integer in lax mode: ``"2"`` and
-    ``2.0`` are 2, ``true`` is 1. A spelling it refuses (``"2.5"``) may read as > 1 here:
-    harmless, as the engine then answers 400 and streams nothing. (The meter also turns
-    to per-sequence timing at the first event of a sequence other than the first.)"""
-    n = payload.get("n")
-    if isinstance(n, str):
-        try:
-            n = float(n)
-        except ValueError:
-            n = None
-    if isinstance(n, int | float) and not isinstance(n, bool) and n > 1:
+    ``n`` is read as the engines' pydantic reads an integer in lax mode (``"2"`` and
+    ``2.0`` are 2). (The meter also turns to per-sequence timing at the first event of a
+    sequence other than the first.)"""
+    n = lax_int(payload.get("n"))
+    if n is not None and n > 1:
         return True
     prompt = payload.get("prompt")
     return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)

@@ -8,12 +8,10 @@ served, its output cut at the context with finish reason ``length``.
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from backends.lax_bool import lax_bool
+from backends.lax import lax_bool, lax_int
 from backends.sim.tokenizer import count_chat_tokens, count_text_tokens
 
 DEFAULT_MAX_TOKENS = 256  # the simulator's own default (vLLM: whatever the context leaves)
@@ -35,26 +33,6 @@ class Asked:
     stream: bool
     include_usage: bool
     ignore_eos: bool
-
-
-_DECIMAL = re.compile(r"\s*([+-]?\d+)\.0*\s*")
-
-
-def lax_int(value: object) -> int | None:
-    """An integer field as pydantic reads it in lax mode; None when it would refuse it."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value) if math.isfinite(value) and value.is_integer() else None
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            whole = _DECIMAL.fullmatch(value)  # "3.0": a number with no fraction
-            return int(whole.group(1)) if whole else None
-    return None
 
 
 def prompts_of(prompt: Any) -> list[Any]:
