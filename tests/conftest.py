@@ -5,7 +5,27 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tests.procs import Gateway, Proc, backend, start_gateway, start_sim
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_outlives_the_run() -> Iterator[None]:
+    yield
+    procs.stop_all_started_since(0)
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test() -> Iterator[None]:
+    """Stops what the test (or its function-scoped fixtures) started and left running.
+
+    Broader-scoped fixtures are set up before this one, so their processes are not
+    counted; function-scoped fixtures are torn down before it, so theirs are already
+    stopped when it looks.
+    """
+    first = len(procs.STARTED)
+    yield
+    procs.stop_all_started_since(first)
 
 
 @pytest.fixture

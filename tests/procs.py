@@ -1,7 +1,9 @@
 """Real processes on 127.0.0.1 for tests: simulated backends and gateways.
 
-Every process started here is stopped by its PID, also when a test fails.
-Readiness is polled (a bounded wait for a condition), never slept for.
+Every process started here is stopped by its PID, also when a test fails:
+by the test's own cleanup, or else by the conftest fixtures that read ``STARTED``
+(a backend started just before a gateway that failed to start used to outlive the
+run). Readiness is polled (a bounded wait for a condition), never slept for.
 """
 
 from __future__ import annotations
@@ -75,6 +77,18 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
+STARTED: list[Proc] = []
+"""Every process :func:`start_process` started in this test run, in order."""
+
+
+def stop_all_started_since(first: int) -> list[Proc]:
+    """Stop the processes started from index ``first`` on that still run; returns them."""
+    left = [proc for proc in STARTED[first:] if proc.process.poll() is None]
+    for proc in left:
+        proc.stop(timeout=5.0)
+    return left
+
+
 def start_process(
     args: list[str],
     url: str,
@@ -92,6 +106,7 @@ def start_process(
         cwd=Path(__file__).resolve().parent.parent,
     )
     proc = Proc(process, url, log)
+    STARTED.append(proc)
     try:
         wait_until(lambda: process.poll() is not None or _answers(url + ready_path), timeout=30)
     except TimeoutError:
