@@ -140,13 +140,20 @@ class PoolConfig(Frozen):
     batch_share: float = Field(0.1, ge=0, le=1)
 
     @model_validator(mode="after")
-    def _ceiling_above_wait(self) -> PoolConfig:
+    def _ranges_ordered(self) -> PoolConfig:
         # A lower ceiling would shed the clients that ask to wait longer sooner than
         # those that ask nothing.
         if self.max_queue_wait_ceiling_s < self.max_queue_wait_s:
             raise ValueError(
                 f"max_queue_wait_ceiling_s ({self.max_queue_wait_ceiling_s:g}) must be at least "
                 f"max_queue_wait_s ({self.max_queue_wait_s:g})"
+            )
+        # An empty range routes nothing to the pool: every prompt meant for it would
+        # be refused or sent elsewhere, with nothing to say the range was mistyped.
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens <= self.min_prompt_tokens:
+            raise ValueError(
+                f"max_prompt_tokens ({self.max_prompt_tokens}) must be above "
+                f"min_prompt_tokens ({self.min_prompt_tokens}): the range is [min, max)"
             )
         return self
 

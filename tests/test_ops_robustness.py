@@ -359,3 +359,17 @@ def test_reload_rejects_a_queue_wait_ceiling_below_the_wait(tmp_path: Path) -> N
         assert "max_queue_wait_ceiling_s" in error_message(response)
     finally:
         gw.proc.stop()
+
+
+# -- 7. a pool's prompt range that holds nothing is not a config ----------------------
+
+
+@pytest.mark.parametrize("low, high", [(8192, 4096), (8192, 8192)])
+def test_check_config_rejects_an_empty_prompt_range(tmp_path: Path, low: int, high: int) -> None:
+    path = tmp_path / "range.yaml"
+    pools = {"long": {"min_prompt_tokens": low, "max_prompt_tokens": high}}
+    path.write_text(yaml.safe_dump({"pools": pools}))
+    result = run_cli("check-config", str(path))
+    assert result.returncode == 1, result.stdout
+    assert "max_prompt_tokens" in result.stderr
+    assert "min_prompt_tokens" in result.stderr
