@@ -11,7 +11,13 @@ from collections.abc import Sequence
 import uvicorn
 
 from gateway.embedded import DEFAULT_MODEL
-from gateway.settings import CONFIG_ENV, ConfigError, Settings, load_settings
+from gateway.settings import (
+    CONFIG_ENV,
+    ConfigError,
+    Settings,
+    ignored_environment,
+    load_settings,
+)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -25,6 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kneecap: invalid config:\n{exc}", file=sys.stderr)
         return 1
+    _warn_ignored_environment(settings)
     host = args.host or settings.listen.host
     port = args.port if args.port is not None else settings.listen.port
     sims = build_embedded_sims(settings.backends)
@@ -49,6 +56,11 @@ def _serve(args: argparse.Namespace) -> int:
     _print_banner(settings, host, port, sims)
     run_servers(gateway, sims, drain)
     return 0
+
+
+def _warn_ignored_environment(settings: Settings) -> None:
+    for name in ignored_environment(settings):
+        print(f"kneecap: warning: {name} names no setting; ignored", file=sys.stderr)
 
 
 def _print_banner(settings: Settings, host: str, port: int, sims: Sequence[object]) -> None:
@@ -142,6 +154,7 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"{args.file}: invalid config:\n{exc}", file=sys.stderr)
         return 1
+    _warn_ignored_environment(settings)
     print(f"{args.file}: ok")
     print(f"  listen {settings.listen.host}:{settings.listen.port}")
     for name, pool in settings.pools.items():

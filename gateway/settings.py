@@ -8,6 +8,8 @@ mappings as JSON, e.g. ``KNEECAP_AUTH__API_KEYS='["k1"]'``).
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -426,6 +428,34 @@ def build_settings(data: dict[str, Any]) -> Settings:
         raise ConfigError(
             f"{exc}{cause} (lists and mappings from the environment are JSON)"
         ) from exc
+
+
+# Kubernetes gives every pod `<SERVICE>_PORT`, `<SERVICE>_SERVICE_HOST`, ... for each
+# service in its namespace, so a service named `kneecap` sets these.
+_SERVICE_LINK = re.compile(r"^KNEECAP_(PORT(_\d+_(TCP|UDP|SCTP)(_\w+)?)?|SERVICE_\w+)$", re.I)
+
+
+def ignored_environment(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """``KNEECAP_*`` variables that name no setting: most likely a misspelt override.
+
+    A misspelt nested key (``KNEECAP_HEALTH__INTERVALS``) is refused like a file's; a
+    misspelt first level (``KNEECAP_HEALHT__INTERVAL_S``) is not seen by the settings at
+    all, so the gateway would run on the value it was meant to replace. Not refused:
+    other programs may own variables with this prefix.
+    """
+    own = {CONFIG_ENV.upper()}
+    if settings.auth.api_keys_env:
+        own.add(settings.auth.api_keys_env.upper())
+    own.update(b.api_key_env.upper() for b in settings.backends if b.api_key_env)
+    fields = set(Settings.model_fields)
+    ignored = []
+    for name in environ:
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in own or _SERVICE_LINK.match(upper):
+            continue
+        if upper[len(ENV_PREFIX) :].split("__", 1)[0].lower() not in fields:
+            ignored.append(name)
+    return sorted(ignored)
 
 
 def load_settings(path: str | Path | None) -> Settings:

@@ -260,3 +260,29 @@ def test_serve_on_a_port_in_use_exits_without_a_traceback() -> None:
     assert result.returncode != 0
     assert "address already in use" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_check_config_warns_of_an_override_that_names_no_setting(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text("auth: {api_keys_env: KNEECAP_CLIENT_KEYS}\n")
+    env = {
+        **os.environ,
+        "KNEECAP_HEALHT__INTERVAL_S": "1",  # misspelt: the gateway would probe every 2 s
+        "kneecap_listne__port": "9000",
+        # Not warned of: the gateway's own, a name the config gives, Kubernetes' links.
+        "KNEECAP_HEALTH__INTERVAL_S": "1",
+        "KNEECAP_CLIENT_KEYS": "k1",
+        "KNEECAP_PORT": "tcp://10.0.0.9:8000",
+        "KNEECAP_PORT_8000_TCP_ADDR": "10.0.0.9",
+        "KNEECAP_SERVICE_HOST": "10.0.0.9",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    warned = [line.split()[2] for line in result.stderr.splitlines() if "names no setting" in line]
+    assert warned == ["KNEECAP_HEALHT__INTERVAL_S", "kneecap_listne__port"], result.stderr
