@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Awaitable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-# A random per-process prefix and a counter: unique like a UUID4's hex, without a
-# urandom call and a UUID object per request.
-_ID_PREFIX = os.urandom(8).hex()
-_id_counter = itertools.count()
-
 
 def new_request_id() -> str:
-    return f"{_ID_PREFIX}{next(_id_counter):016x}"
+    # Random, like vLLM's and OpenAI's: the ids reach clients (and vLLM builds its
+    # completion ids from them), and a counter in them told any client how many
+    # requests the gateway served between two of its own. ~0.3 us more than a counter.
+    return os.urandom(16).hex()
 
 
 def request_id_from(presented: str | None) -> str:

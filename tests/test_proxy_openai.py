@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import openai
 import pytest
@@ -110,6 +112,18 @@ def test_unknown_fields_pass_through_and_request_id_round_trips(gateway: Gateway
     assert response.headers["x-request-id"] == "req-123"
     generated = httpx.get(gateway.url + "/v1/models", timeout=5).headers["x-request-id"]
     assert len(generated) == 32
+
+
+def test_generated_request_ids_do_not_count_requests(gateway: Gateway) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    ids = [
+        httpx.post(gateway.url + "/v1/completions", json=body, timeout=10).headers["x-request-id"]
+        for _ in range(4)
+    ]
+    assert len(set(ids)) == 4
+    # A shared prefix and a counter made consecutive ids differ in their last digits only.
+    values = [int(request_id, 16) for request_id in ids]
+    assert all(abs(b - a) > 2**64 for a, b in itertools.pairwise(values)), ids
 
 
 @pytest.mark.parametrize(
