@@ -107,7 +107,7 @@ class RoutingState:
         self.calibration.alpha = estimator.calibration_alpha
         self.calibration.template = template
         self.tokenizers.template = template
-        self.sessions.max_sessions = config.affinity.max_sessions
+        self.sessions.resize(config.affinity.max_sessions)
 
     def router(self, pool: str, config: RoutingConfig) -> Router:
         affinity = config.affinity
