@@ -51,8 +51,9 @@ _NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP | {"date", "server
 _NOTHING: frozenset[bytes] = frozenset()
 
 # An SSE event is held until its blank line, so that only whole events go out. Engines
-# send events of a few hundred bytes (a few KB with logprobs); one that runs past this
-# without ending is relayed unframed from there on, rather than held without bound.
+# send events of a few hundred bytes (a few KB with logprobs; vLLM's echo with logprobs
+# of a long prompt, MBs); one that runs past this without ending is relayed as it comes
+# rather than held without bound, and framing resumes at its blank line.
 MAX_HELD_EVENT_BYTES = 1024 * 1024
 
 
@@ -137,14 +138,15 @@ class StreamRelay:
         self.headers = headers
         self.finisher = finisher
         # An answer that says it is no SSE (NDJSON, text) has no events to time or strip,
-        # and holding bytes back until a blank line would stop it streaming at all.
+        # and holding bytes back until a blank line would stop it streaming at all. Off
+        # too while an event too long to hold is relayed as it comes (``_unframed``).
         self.events = is_event_stream(upstream.raw_headers)
         # Set once the upstream body is over, before the last send: the client may
         # hang up the moment it has the last byte, and that is not a disconnect.
         self._end: StreamEnd | None = None
         self._recorded: StreamEnd | None = None
         self._finished = False
-        self._unframed = False  # an SSE stream relayed as it comes, past MAX_HELD_EVENT_BYTES
+        self._unframed = False  # inside an event past MAX_HELD_EVENT_BYTES, relayed as it comes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -175,17 +177,24 @@ class StreamRelay:
             return "upstream_error"
         return "client_error" if meter.client_error else "ok"
 
-    def _stop_framing(self, framer: SSEFramer) -> bytes:
-        """The held event's bytes, to go out as they are, and so the rest of the stream:
-        no longer timed, and a usage chunk in it no longer dropped."""
-        log.warning(
-            "backend sent an SSE event over %d bytes without its end; "
-            "relaying the rest of this stream unframed",
+    def _release_event(self, framer: SSEFramer) -> bytes:
+        """The held event's bytes, to go out now, and so the rest of it as it comes."""
+        log.info(
+            "backend sent an SSE event over %d bytes; relaying it as it comes",
             MAX_HELD_EVENT_BYTES,
         )
         self.events = False
         self._unframed = True
-        return framer.take_pending()
+        return framer.release_pending()
+
+    def _observe_released(self, framer: SSEFramer) -> None:
+        """Meter the released event once it is over, when the client can first read it: an
+        output event (TTFT, a gap) when it carries output up front, its finish reason read
+        from its end. It went out already: one that reads as the usage chunk (implausible
+        at this size) is not taken out."""
+        self.events = True
+        self._unframed = False
+        self.meter.observe([framer.released_event()])
 
     def _record(self, end: StreamEnd) -> None:
         if self._recorded is None:
@@ -213,8 +222,18 @@ class StreamRelay:
         try:
             async for chunk in self.upstream.aiter_raw():
                 if not self.events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    continue
+                    end = framer.end_of_released(chunk) if self._unframed else -1
+                    if end < 0:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        continue
+                    # The released event ends in this read: framed again from its end on.
+                    self._observe_released(framer)
+                    if end:
+                        body = chunk[:end]
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                    chunk = chunk[end:]
+                    if not chunk:
+                        continue
                 # Only whole events go out: a dropped one never leaks partially, and an
                 # error event never lands inside a half-sent one. The bytes are the
                 # backend's; a read of whole events, nothing dropped, goes out as it came.
@@ -229,7 +248,7 @@ class StreamRelay:
                     if kept is not None:
                         whole = framer.join(kept)
                 if len(framer.pending) > MAX_HELD_EVENT_BYTES:
-                    whole += self._stop_framing(framer)
+                    whole += self._release_event(framer)
                 if whole:
                     await send({"type": "http.response.body", "body": whole, "more_body": True})
         except httpx.HTTPError as exc:
@@ -239,8 +258,8 @@ class StreamRelay:
             self._end = StreamEnd(status, meter, message)
             error = error_event(message)
             if self._unframed:
-                # What went out may end inside an event: a blank line ends it first, so the
-                # error event is one of its own (after a whole event it is a no-op).
+                # What went out ends inside the released event: a blank line ends it first,
+                # so the error event is one of its own.
                 error = b"\n\n" + error
             await send({"type": "http.response.body", "body": error, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -248,7 +267,9 @@ class StreamRelay:
         # An event the close cut short is still the backend's (a usage chunk may be the
         # last bytes, without their blank line): measured, and sent unless dropped.
         tail = framer.pending
-        if tail and meter.observe([tail]) is not None:
+        if self._unframed:
+            self._observe_released(framer)
+        elif tail and meter.observe([tail]) is not None:
             tail = b""
         self._end = StreamEnd(self._status(), meter)
         # The backend is done, so its permit goes back before the last write rather than

@@ -9,6 +9,10 @@ rebuilds them exactly from the events it returned.
 SSE ends lines with ``\\n``, ``\\r\\n`` or ``\\r``; an event ends at a blank line.
 Engines send ``\\n\\n``, which is split by one byte search; anything holding a
 ``\\r`` goes through a regular expression instead, on raw bytes, never normalised.
+
+An event too long to hold is *released*: its bytes go out as they come, and framing
+resumes at its blank line. Its first and last bytes are kept so that it can still be
+read as an event (:meth:`SSEFramer.released_event`).
 """
 
 from __future__ import annotations
@@ -19,10 +23,15 @@ _SEP = b"\n\n"
 # Two line ends in a row. ``\r(?!\n)``: the ``\r`` of a ``\r\n`` is not a line end
 # of its own, so ``\r\n`` between two fields never reads as a blank line.
 _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
+# The longest blank line (``\r\n\r\n``) but its last byte: how much of one a read may end in.
+_BLANK_LINE_BEGUN = 3
+# What is kept of a released event at each end: where engines put what an event is read
+# for (its output, before logprobs or an echoed prompt; its finish reason and usage, after).
+RELEASED_KEPT_BYTES = 64 * 1024
 
 
 class SSEFramer:
-    __slots__ = ("_after_cr", "_separator", "_tail")
+    __slots__ = ("_after_cr", "_released_head", "_released_tail", "_separator", "_tail")
 
     def __init__(self) -> None:
         self._tail = b""
@@ -31,6 +40,9 @@ class SSEFramer:
         # read completes that line end, so it is handed on alone, not as the first
         # byte of the next event (which would then not start with its field name).
         self._after_cr = False
+        # Of the event released last: its first bytes, and its last ones so far.
+        self._released_head = b""
+        self._released_tail = b""
 
     def feed(self, chunk: bytes) -> tuple[bytes, list[bytes]]:
         """The whole events completed by ``chunk``: their raw bytes, and each event.
@@ -80,7 +92,44 @@ class SSEFramer:
         """Bytes of an event that has not been terminated yet."""
         return self._tail
 
-    def take_pending(self) -> bytes:
-        """The pending bytes, no longer held: framing starts afresh after them."""
-        tail, self._tail, self._after_cr = self._tail, b"", False
+    def release_pending(self) -> bytes:
+        """The pending bytes, no longer held: the start of an event too long to hold, to go
+        out now. The rest of it goes out as it comes, until :meth:`end_of_released`."""
+        tail, self._tail = self._tail, b""
+        self._released_head = tail[:RELEASED_KEPT_BYTES]
+        self._released_tail = tail[-RELEASED_KEPT_BYTES:]
         return tail
+
+    def end_of_released(self, chunk: bytes) -> int:
+        """Where in ``chunk`` the released event ends, just past its blank line: framing
+        resumes there. -1 while it goes on.
+
+        The event's last bytes before ``chunk`` are searched with it, for a blank line a
+        read cut in two; the blank line is found as :meth:`feed` finds it.
+        """
+        kept = self._released_tail
+        begun = kept[-_BLANK_LINE_BEGUN:]
+        data = begun + chunk
+        end = -1
+        if b"\r" in data:
+            blank = _BLANK_LINE.search(data)
+            # ``\r\n\r`` ending the read: most likely a CRLF blank line whose ``\n`` comes next.
+            if blank and not (blank.end() == len(data) and blank.group() == b"\r\n\r"):
+                end = blank.end()
+        else:
+            end = data.find(_SEP)
+            if end >= 0:
+                end += len(_SEP)
+        if end < 0:
+            self._released_tail = (kept + chunk)[-RELEASED_KEPT_BYTES:]
+            return -1
+        self._after_cr = end == len(data) and data.endswith(b"\r")
+        end -= len(begun)
+        self._released_tail = (kept + chunk[:end])[-RELEASED_KEPT_BYTES:]
+        return end
+
+    def released_event(self) -> bytes:
+        """The released event, as far as the meter reads it: its first and last bytes (a
+        line end between them, so that no field name forms across the gap). Not JSON: a
+        usage it carried is not read."""
+        return self._released_head + b"\n" + self._released_tail
