@@ -7,11 +7,12 @@ from typing import Any
 
 from gateway.errors import InvalidRequest
 
-# The field each endpoint cannot do without, besides `model`.
+# What each endpoint cannot do without, besides `model`: one of these fields. vLLM takes a
+# completion's prompt as `prompt_embeds` too, and an embedding's input as chat `messages`.
 REQUIRED_FIELD = {
-    "/v1/chat/completions": "messages",
-    "/v1/completions": "prompt",
-    "/v1/embeddings": "input",
+    "/v1/chat/completions": ("messages",),
+    "/v1/completions": ("prompt", "prompt_embeds"),
+    "/v1/embeddings": ("input", "messages"),
 }
 
 
@@ -29,13 +30,11 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
     payload = load_json(body)
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    for field in ("model", REQUIRED_FIELD[endpoint]):
-        if payload.get(field) in (None, "", []):
-            raise InvalidRequest(
-                f"you must provide the `{field}` parameter",
-                param=field,
-                code="missing_required_parameter",
-            )
+    if _missing(payload, "model"):
+        raise _required(("model",))
+    alternatives = REQUIRED_FIELD[endpoint]
+    if all(_missing(payload, field) for field in alternatives):
+        raise _required(alternatives)
     if not isinstance(payload["model"], str):
         raise InvalidRequest("`model` must be a string", param="model", code="invalid_type")
     if not isinstance(payload.get("stream", False), bool | None):
@@ -45,3 +44,16 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
     if endpoint == "/v1/chat/completions" and not isinstance(payload["messages"], list):
         raise InvalidRequest("`messages` must be an array", param="messages", code="invalid_type")
     return payload
+
+
+def _missing(payload: dict[str, Any], field: str) -> bool:
+    return payload.get(field) in (None, "", [])
+
+
+def _required(alternatives: tuple[str, ...]) -> InvalidRequest:
+    fields = " or ".join(f"`{field}`" for field in alternatives)
+    return InvalidRequest(
+        f"you must provide the {fields} parameter",
+        param=alternatives[0],
+        code="missing_required_parameter",
+    )

@@ -19,7 +19,6 @@ and needs no context room beyond its input.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -194,13 +193,14 @@ async def plan_route(
     least_output = 0 if embedding else FIRST_TOKEN
     explicit = 0 if embedding else output_tokens(payload, 0)
     # Each sequence of a batch (a list of prompts or inputs) has a context of its own.
-    longest = math.ceil(estimate.fewest * shape.longest_share)
     lengths = [r.max_model_len for r in serving]
-    # Only what no engine could start is refused here: prompt + max_tokens over the
-    # context is the engine's to judge (it stops the output there, or answers its own 400).
-    if exceeds_every_context(lengths, longest, least_output, estimate.exact):
-        raise _prompt_too_long(payload, lengths, longest, estimate.exact, embedding)
-    fit, plan = _place(settings, healthy, estimate, shape.longest_share, explicit, least_output)
+    # Only what no engine could start is refused here, at the fewest tokens the prompt can
+    # be: prompt + max_tokens over the context is the engine's to judge (it stops the
+    # output there, or answers its own 400).
+    if exceeds_every_context(lengths, shape.longest_of(estimate.fewest), least_output):
+        likely = shape.longest_of(estimate.tokens)
+        raise _prompt_too_long(payload, lengths, likely, estimate.exact, embedding)
+    fit, plan = _place(settings, healthy, estimate, shape, explicit, least_output)
     if plan is None:
         runtime.recorder.rejected(_pool_by_length(settings, serving, estimate), "no_backend")
         raise Unavailable(f"no healthy backend of `{model}` has the context for this prompt")
@@ -223,22 +223,21 @@ def _place(
     settings: Settings,
     healthy: list[Replica],
     estimate: Estimate,
-    longest_share: float,
+    shape: PromptShape,
     requested_output: int,
     least_output: int,
 ) -> tuple[ContextFit, PoolPlan | None]:
     """What a context must hold and the pool plan, among ``healthy`` replicas (healthy,
     or not probed yet): for a new request, and for a waiter planned again."""
     # The longest sequence as estimated (the pools split sequence lengths; a context
-    # that holds it and the output is preferred), and the fewest tokens it may have.
-    likely = math.ceil(estimate.tokens * longest_share)
+    # that holds it and the output is preferred), and the fewest tokens it can have.
+    likely = shape.longest_of(estimate.tokens)
     fit = context_fit(
         [r.max_model_len for r in healthy],
         likely,
-        math.ceil(estimate.fewest * longest_share),
+        shape.longest_of(estimate.fewest),
         requested_output,
         least_output,
-        estimate.exact,
     )
     spill = settings.routing.spill
     holding = {r.pool for r in healthy if fit.holds(r.max_model_len)}
@@ -280,7 +279,7 @@ def live_route(runtime: Runtime, route: Route, tried: set[str]) -> Route | None:
         settings,
         healthy,
         route.estimate,
-        route.shape.longest_share,
+        route.shape,
         route.requested_output,
         route.least_output,
     )

@@ -15,6 +15,8 @@ Three ways to count, chosen by ``routing.estimator.mode``:
 
 Chat prompts count every message plus the template's overhead: a fixed number
 of tokens per message and per reply (ChatML: ``<|im_start|>role\\n … <|im_end|>``).
+An estimate from characters routes; a refusal rests on its floor, the fewest tokens
+the prompt can be (:class:`Estimate`), or on an exact count.
 """
 
 from __future__ import annotations
@@ -37,14 +39,22 @@ MIN_CALIBRATION_TOKENS = 16
 CHARS_PER_TOKEN_RANGE = (0.5, 16.0)
 
 
+# The most characters one token may cover, for a lower bound from characters alone. The
+# calibrated ratio is an average over a model's traffic, not a bound: indented code,
+# whitespace runs and separator lines tokenize far sparser (on the CI engine's tokenizer
+# 20,000 spaces are 1,252 tokens and 32 dashes one token; CHARS_PER_TOKEN_RANGE's 16 is
+# no bound), and a prompt in another script than most is off by ~3x. Larger vocabularies
+# hold longer runs still: 128 keeps a refusal from characters to what surely cannot fit.
+MOST_CHARS_PER_TOKEN = 128
+
+
 @dataclass(frozen=True, slots=True)
 class Estimate:
     tokens: int
     exact: bool  # counted by a tokenizer, not estimated from characters
-    # The fewest tokens a character estimate may stand for, for deciding what fits a
-    # context: at the calibrated ratio or the prior, whichever is more characters per
-    # token. One ratio per model is an average over its traffic, and a prompt in another
-    # language (or script) than most is off by ~3x: never refused for that.
+    # The fewest tokens a character estimate may stand for, what decides a refusal: the
+    # characters every template renders at MOST_CHARS_PER_TOKEN, and the ids. No template
+    # overhead, tool definitions or calls: a template may render none of them as counted.
     floor: int | None = None
 
     @property
@@ -104,15 +114,13 @@ class CharsPerToken:
         return self._at(self.chars_per_token(model), shape)
 
     def estimate_with_floor(self, model: str, shape: PromptShape) -> Estimate:
-        """The estimate, and as its floor the count at the calibrated ratio or the prior,
-        whichever counts fewer: one ratio lookup, one count when they agree. A prompt of
-        token ids only (no text, no chat template) is counted, not estimated: exact."""
+        """The estimate at the calibrated ratio, to route by, and as its floor the fewest
+        tokens the prompt can be, to refuse by (see :class:`Estimate`). A prompt of token
+        ids only (no text, no chat template) is counted, not estimated: exact."""
         if not shape.texts and not shape.messages and shape.token_ids:
             return Estimate(shape.token_ids, exact=True)
-        ratio = self.chars_per_token(model)
-        tokens = self._at(ratio, shape)
-        floor = self._at(self.prior, shape) if ratio < self.prior else tokens
-        return Estimate(tokens, exact=False, floor=floor)
+        floor = shape.rendered_chars // MOST_CHARS_PER_TOKEN + shape.token_ids
+        return Estimate(self.estimate(model, shape), exact=False, floor=floor)
 
     def _at(self, chars_per_token: float, shape: PromptShape) -> int:
         text = shape.chars / chars_per_token

@@ -1,7 +1,9 @@
 """Which pool a prompt belongs to, which pools may lend it headroom, and what never fits.
 
 What never fits is a prompt that leaves no context room for one output token (for an
-embedding, the prompt alone): an engine starts anything else. The requested output
+embedding, the prompt alone): an engine starts anything else. The prompt is judged by
+the fewest tokens it can be (an exact count, or a character estimate's lower bound,
+``gateway.tokens.Estimate``), so nothing that fits is refused. The requested output
 (``max_tokens``) only steers: replicas whose context holds the prompt as estimated and the
 whole output are preferred (:func:`context_fit`); when none does, the engine decides (it
 stops the output at its context, or refuses in its own words).
@@ -29,10 +31,6 @@ from dataclasses import dataclass
 
 from gateway.settings import PoolConfig
 from policies.routing import Load, Router, RouteRequest
-
-# An estimate from characters may be off by this much: only a prompt this much
-# over every context length is refused without asking a backend.
-APPROXIMATE_MARGIN = 0.1
 
 # All an engine needs beyond the prompt to start a request: room for one output token.
 # vLLM (0.32) and SGLang then stop the output at the context (finish_reason "length");
@@ -89,47 +87,34 @@ def plan_pools(
     return PoolPlan(home, tuple(lenders))
 
 
-def _lower_bound(prompt_tokens: int, exact: bool) -> int:
-    """The fewest tokens the prompt may really have, given how it was counted."""
-    return prompt_tokens if exact else int(prompt_tokens * (1 - APPROXIMATE_MARGIN))
-
-
-def fits_context(
-    context_length: int | None, prompt_tokens: int, output_tokens: int, exact: bool = True
-) -> bool:
+def fits_context(context_length: int | None, prompt_tokens: int, output_tokens: int) -> bool:
     """A backend of unknown context length is given the benefit of the doubt."""
     if context_length is None:
         return True
-    return _lower_bound(prompt_tokens, exact) + output_tokens <= context_length
+    return prompt_tokens + output_tokens <= context_length
 
 
 def exceeds_every_context(
-    context_lengths: Sequence[int | None], prompt_tokens: int, output_tokens: int, exact: bool
+    context_lengths: Sequence[int | None], fewest_prompt: int, output_tokens: int
 ) -> bool:
-    """True when no backend could hold the prompt and ``output_tokens`` (all lengths
-    known and too small); the gateway refuses on :data:`FIRST_TOKEN`, what no engine starts.
-
-    An estimate from characters must exceed by :data:`APPROXIMATE_MARGIN` to be
-    refused: when in doubt, the backend decides.
-    """
+    """True when no backend could hold the prompt, at the fewest tokens it can be, and
+    ``output_tokens`` (all lengths known and too small); the gateway refuses on
+    :data:`FIRST_TOKEN`, what no engine starts. When in doubt, the backend decides."""
     if not context_lengths or any(length is None for length in context_lengths):
         return False
-    return not any(
-        fits_context(length, prompt_tokens, output_tokens, exact) for length in context_lengths
-    )
+    return not any(fits_context(length, fewest_prompt, output_tokens) for length in context_lengths)
 
 
 @dataclass(frozen=True, slots=True)
 class ContextFit:
     """What a replica's context must hold for a request to go there: ``prompt`` tokens
-    (a lower bound when not ``exact``) and ``output`` more."""
+    and ``output`` more."""
 
     prompt: int
     output: int
-    exact: bool
 
     def holds(self, context_length: int | None) -> bool:
-        return fits_context(context_length, self.prompt, self.output, self.exact)
+        return fits_context(context_length, self.prompt, self.output)
 
 
 def context_fit(
@@ -138,23 +123,21 @@ def context_fit(
     fewest_prompt: int,
     wanted_output: int,
     least_output: int,
-    exact: bool,
 ) -> ContextFit:
     """The replicas a request may go to: those whose context holds its prompt as estimated
-    (``likely_prompt``, no margin: a preference, not a refusal) and ``wanted_output``
-    (the requested output, at least ``least_output``), while any does; else those that
-    may start it: the fewest tokens the prompt may be (``fewest_prompt``, with the
-    margin of an estimate unless ``exact``) and ``least_output`` (one token; none for an
-    embedding), as :func:`exceeds_every_context` refuses.
+    (``likely_prompt``: a preference, not a refusal) and ``wanted_output`` (the requested
+    output, at least ``least_output``), while any does; else those that may start it: the
+    fewest tokens the prompt can be (``fewest_prompt``) and ``least_output`` (one token;
+    none for an embedding), as :func:`exceeds_every_context` refuses.
     """
-    preferred = ContextFit(likely_prompt, max(least_output, wanted_output), exact=True)
+    preferred = ContextFit(likely_prompt, max(least_output, wanted_output))
     if any(preferred.holds(n) for n in context_lengths):
         return preferred
-    return ContextFit(fewest_prompt, least_output, exact)
+    return ContextFit(fewest_prompt, least_output)
 
 
 def output_to_hold(
-    context_lengths: Iterable[int | None], prompt_tokens: int, requested_output: int, exact: bool
+    context_lengths: Iterable[int | None], prompt_tokens: int, requested_output: int
 ) -> int:
     """The output tokens a replica's context must hold besides the prompt.
 
@@ -162,7 +145,7 @@ def output_to_hold(
     preferred, the output is never cut short where it need not be. Else
     :data:`FIRST_TOKEN`: any replica that can start the request may take it.
     """
-    if any(fits_context(n, prompt_tokens, requested_output, exact) for n in context_lengths):
+    if any(fits_context(n, prompt_tokens, requested_output) for n in context_lengths):
         return requested_output
     return FIRST_TOKEN
 

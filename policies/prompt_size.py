@@ -1,8 +1,10 @@
 """What a request's prompt is made of, read from its JSON body without a tokenizer.
 
 :func:`shape_of` finds the text a chat template or a completion prompt carries
-(every message's content, tool definitions, a prompt string or list) and any
-prompt that is already token ids, and how many sequences the engine runs for it.
+(every message's content, tool definitions, a prompt string or list; ``messages`` on
+any endpoint, as vLLM's chat embeddings take them) and any prompt that is already
+token ids, and how many sequences the engine runs for it. A prompt given as
+``prompt_embeds`` (tensors) shows no size: its shape is empty, and nothing refuses it.
 The estimators (``gateway.tokens``) turn a :class:`PromptShape` into tokens;
 :func:`output_tokens`, once per sequence, is the other half of a request's KV cost.
 """
@@ -20,9 +22,15 @@ class PromptShape:
     texts: tuple[str, ...]  # the text to tokenize: message contents, tools, prompts
     messages: int  # chat messages (each adds template overhead); 0 for completions
     token_ids: int  # prompt tokens given as ids, counted exactly
+    # Characters of ``texts`` a chat template may leave out or rewrite: the tool definitions
+    # (a template may not render them, some not with ``tool_choice: "none"``) and the JSON
+    # of tool calls (rendered in the template's own words). Only the rest surely counts.
+    optional_chars: int = 0
     # A list of prompts or inputs is a batch of sequences, each with its own context: the
-    # longest one's share of the whole (by characters, or by ids when they are ids).
-    longest_share: float = 1.0
+    # longest one's size and the whole's (characters, or ids when they are ids). Whole
+    # numbers, not their ratio: a float ratio turns 2,047 of 2,214 ids into 2,047.0000000000002.
+    longest_size: int = 1
+    total_size: int = 1
     media: bool = False  # images or audio: tokens the text does not show
     # Sequences the engine runs: each prompt of a batch, ``n`` (or ``best_of``) times. Each
     # has an output of its own; the copies of one prompt share its KV (prefix caching).
@@ -33,8 +41,18 @@ class PromptShape:
         return sum(len(t) for t in self.texts)
 
     @property
+    def rendered_chars(self) -> int:
+        """The characters every template renders: what a lower bound may count on."""
+        return self.chars - self.optional_chars
+
+    @property
     def chat(self) -> bool:
         return self.messages > 0
+
+    def longest_of(self, tokens: int) -> int:
+        """The longest sequence's share of ``tokens`` counted for the whole, rounded up:
+        for a batch of ids counted exactly, exactly the longest one's ids."""
+        return -(-tokens * self.longest_size // self.total_size)
 
 
 def _content_texts(content: Any) -> list[str]:
@@ -52,9 +70,9 @@ def _has_media(content: Any) -> bool:
     )
 
 
-def _longest_share(sizes: list[int]) -> float:
+def _longest_and_total(sizes: list[int]) -> tuple[int, int]:
     total = sum(sizes)
-    return max(sizes) / total if total else 1.0
+    return (max(sizes), total) if total else (1, 1)
 
 
 def _count(value: Any) -> int:
@@ -68,16 +86,24 @@ def shape_of(payload: Mapping[str, Any]) -> PromptShape:
     messages = payload.get("messages")
     if isinstance(messages, list):
         texts: list[str] = []
+        optional: list[str] = []
         media = False
         for message in messages:
             if isinstance(message, Mapping):
                 texts += _content_texts(message.get("content"))
                 media = media or _has_media(message.get("content"))
                 if message.get("tool_calls"):
-                    texts.append(json.dumps(message["tool_calls"], ensure_ascii=False))
+                    optional.append(json.dumps(message["tool_calls"], ensure_ascii=False))
         if payload.get("tools"):
-            texts.append(json.dumps(payload["tools"], ensure_ascii=False))
-        return PromptShape(tuple(texts), max(1, len(messages)), 0, media=media, sequences=copies)
+            optional.append(json.dumps(payload["tools"], ensure_ascii=False))
+        return PromptShape(
+            (*texts, *optional),
+            max(1, len(messages)),
+            0,
+            optional_chars=sum(map(len, optional)),
+            media=media,
+            sequences=copies,
+        )
     prompt = payload.get("prompt", payload.get("input"))
     if isinstance(prompt, str):
         return PromptShape((prompt,), 0, 0, sequences=copies)
@@ -88,13 +114,20 @@ def shape_of(payload: Mapping[str, Any]) -> PromptShape:
         id_lists = [p for p in prompt if isinstance(p, list)]
         ids = sum(map(len, id_lists))
         # Strings or id lists, each its own sequence; mixed, the whole is taken as one.
-        share = 1.0
+        longest, total = 1, 1
         if texts and not id_lists:
-            share = _longest_share([len(t) for t in texts])
+            longest, total = _longest_and_total([len(t) for t in texts])
         elif id_lists and not texts:
-            share = _longest_share([len(i) for i in id_lists])
+            longest, total = _longest_and_total([len(i) for i in id_lists])
         prompts = max(1, len(texts) + len(id_lists))
-        return PromptShape(tuple(texts), 0, ids, longest_share=share, sequences=prompts * copies)
+        return PromptShape(
+            tuple(texts),
+            0,
+            ids,
+            longest_size=longest,
+            total_size=total,
+            sequences=prompts * copies,
+        )
     return PromptShape((), 0, 0, sequences=copies)
 
 

@@ -61,13 +61,14 @@ def test_a_load_caps_the_cost_at_what_the_request_can_hold_there() -> None:
 
 def test_the_preferred_context_holds_the_estimate_without_a_margin() -> None:
     # 95 estimated + 420 wanted: 512 does not hold it, 1000 does (before: 85 + 420 fit 512).
-    fit = long_context.context_fit([512, 1000], 95, 95, 420, 1, exact=False)
+    fit = long_context.context_fit([512, 1000], 95, 95, 420, 1)
     assert (fit.holds(512), fit.holds(1000)) == (False, True)
-    # None holds prompt and output: those that may start it, with the estimate's margin.
-    start = long_context.context_fit([512], 560, 560, 420, 1, exact=False)
-    assert start.holds(512)  # 560 less 10 % + 1 <= 512: the engine decides
-    assert not long_context.context_fit([512], 560, 560, 420, 1, exact=True).holds(512)
+    # None holds prompt and output: those that may start it, at the fewest tokens the
+    # prompt can be (an estimate's floor).
+    start = long_context.context_fit([512], 560, 4, 420, 1)
+    assert start.holds(512)  # 4 + 1 <= 512: the engine decides
+    assert not long_context.context_fit([512], 560, 560, 420, 1).holds(512)
     # An embedding needs no room beyond its input.
-    assert long_context.context_fit([512], 512, 512, 0, 0, exact=True).holds(512)
-    assert long_context.exceeds_every_context([512], 513, 0, exact=True)
-    assert not long_context.exceeds_every_context([512], 512, 0, exact=True)
+    assert long_context.context_fit([512], 512, 512, 0, 0).holds(512)
+    assert long_context.exceeds_every_context([512], 513, 0)
+    assert not long_context.exceeds_every_context([512], 512, 0)

@@ -197,7 +197,8 @@ def test_a_prompt_beyond_every_context_is_refused_at_once(
     gw = gateway(tmp_path, three(trio))
     try:
         before = [prompt_tokens_total(sim) for sim in trio.values()]
-        response = post(gw, chat("abcd" * 50_000))  # 50K tokens > 40960 everywhere
+        # 1.32M tokens on the simulator, and at least 41,250 at 128 characters a token.
+        response = post(gw, chat("abcd" * 1_320_000))
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["code"] == "context_length_exceeded"

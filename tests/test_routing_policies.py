@@ -208,13 +208,14 @@ def test_context_limits() -> None:
     assert fits_context(None, 10**6, 10)  # unknown: the backend decides
     assert fits_context(40_960, 40_000, 960)
     assert not fits_context(40_960, 40_000, 961)
-    # An estimate from characters is refused only 10 % beyond the context.
-    assert fits_context(40_960, 44_000, 1, exact=False)
-    assert not fits_context(40_960, 46_000, 1, exact=False)
-    assert exceeds_every_context([8_192, 40_960], 50_000, 1, exact=True)
-    assert not exceeds_every_context([8_192, 40_960], 30_000, 1, exact=True)
-    assert not exceeds_every_context([8_192, None], 50_000, 1, exact=True)
-    assert not exceeds_every_context([], 50_000, 1, exact=True)
+    # The prompt is judged at the fewest tokens it can be (an estimate's floor, counted
+    # before): no margin here.
+    assert fits_context(40_960, 40_959, 1)
+    assert not fits_context(40_960, 40_960, 1)
+    assert exceeds_every_context([8_192, 40_960], 50_000, 1)
+    assert not exceeds_every_context([8_192, 40_960], 30_000, 1)
+    assert not exceeds_every_context([8_192, None], 50_000, 1)
+    assert not exceeds_every_context([], 50_000, 1)
 
 
 def test_a_lender_lends_idle_headroom_only() -> None:

@@ -14,7 +14,7 @@ from backends.scrape import parse_kv_capacity
 from backends.sim.tokenizer import count_chat_tokens, count_text_tokens
 from gateway.routing import RoutingState, token_limit_of
 from gateway.settings import BackendConfig, ConfigError, RoutingConfig, build_settings
-from gateway.tokens import CharsPerToken, ChatTemplate, TokenizerFiles
+from gateway.tokens import MOST_CHARS_PER_TOKEN, CharsPerToken, ChatTemplate, TokenizerFiles
 from policies.admission import Outcome, PoolAdmission, Priority
 from policies.prompt_size import PromptShape, output_tokens, shape_of
 from policies.routing import Load
@@ -287,32 +287,34 @@ def test_token_limit_sources_in_order() -> None:
     assert token_limit_of(replica(max_tokens_in_flight=5_000), off) is None
 
 
-# --- what fits a context: a floor at the prior, and shapes that say what they hold ---
+# --- what fits a context: a floor no tokenizer goes under, shapes that say what they hold ---
 
 CJK = chat("日本語のテキスト" * 1000)  # 8,000 characters, 24,000 bytes: 6,007 tokens
 ENGLISH = chat("word " * 4000)  # 20,000 characters: 5,007 tokens
 
 
-def test_floor_counts_at_the_prior_after_a_dense_script_calibrated_the_ratio_down() -> None:
+def test_the_floor_stays_under_the_true_count_after_a_dense_script_calibrated_the_ratio() -> None:
     """One CJK prompt calibrates the model to 1.33 characters a token; an English prompt
     then estimates three times its tokens, but its floor (what a context must hold at
-    least) counts at the prior: the English prompt's true count."""
+    least) is its characters at the most a token covers: under its true count."""
     estimator = CharsPerToken(prior=4.0, template=ChatTemplate(4, 3))
     assert estimator.observe(MODEL, shape_of(CJK), count_chat_tokens(CJK["messages"]))
     assert estimator.chars_per_token(MODEL) == pytest.approx(4 / 3, rel=0.01)
     shape = shape_of(ENGLISH)
     floor = estimator.estimate_with_floor(MODEL, shape).floor
-    assert floor == count_chat_tokens(ENGLISH["messages"])
+    assert floor == 20_000 // MOST_CHARS_PER_TOKEN < count_chat_tokens(ENGLISH["messages"])
     assert estimator.estimate(MODEL, shape) == pytest.approx(20_000 * 3 / 4 + 7, rel=0.01)
 
 
-def test_floor_counts_at_the_calibrated_ratio_when_it_is_sparser_than_the_prior() -> None:
+def test_the_floor_does_not_follow_a_calibrated_ratio_sparser_than_the_prior() -> None:
+    """Eight characters a token calibrated: the estimate follows, the floor does not (a
+    ratio is an average over a model's traffic, not a bound)."""
     estimator = CharsPerToken(prior=4.0, template=ChatTemplate(4, 3))
     sparse = chat("x" * 8000)
     assert estimator.observe(MODEL, shape_of(sparse), 1000 + 7)  # 8 characters a token
     shape = shape_of(ENGLISH)
-    floor = estimator.estimate_with_floor(MODEL, shape).floor
-    assert floor == estimator.estimate(MODEL, shape) == 2500 + 7
+    estimate = estimator.estimate_with_floor(MODEL, shape)
+    assert (estimate.tokens, estimate.floor) == (2500 + 7, 20_000 // MOST_CHARS_PER_TOKEN)
 
 
 def test_a_prompt_with_an_image_does_not_calibrate() -> None:
@@ -328,12 +330,12 @@ def test_a_prompt_with_an_image_does_not_calibrate() -> None:
 
 
 def test_shapes_give_the_longest_sequences_share_of_a_batch() -> None:
-    assert shape_of({"input": ["ab", "abcdef"]}).longest_share == 0.75
+    assert shape_of({"input": ["ab", "abcdef"]}).longest_of(100) == 75
     ids = shape_of({"prompt": [[1, 2, 3], [4]]})
-    assert (ids.token_ids, ids.longest_share) == (4, 0.75)
-    assert shape_of({"prompt": "abcdef"}).longest_share == 1.0
-    assert shape_of({"prompt": [1, 2, 3]}).longest_share == 1.0  # one prompt of ids
-    assert shape_of(chat("abcdef")).longest_share == 1.0
+    assert (ids.token_ids, ids.longest_of(4)) == (4, 3)
+    assert shape_of({"prompt": "abcdef"}).longest_of(100) == 100
+    assert shape_of({"prompt": [1, 2, 3]}).longest_of(100) == 100  # one prompt of ids
+    assert shape_of(chat("abcdef")).longest_of(100) == 100
 
 
 def test_only_content_parts_other_than_text_are_media() -> None:

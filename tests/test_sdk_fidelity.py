@@ -110,10 +110,10 @@ def gw(module_tmp: Path, sim: Proc, raw: Proc, echo: Proc) -> Iterator[Gateway]:
 # --- 1. a batch is one sequence per input -------------------------------------------
 
 DOC_15K_TOKENS = "word " * 12_000  # 60,000 bytes: 15,000 tokens on the simulator
-# Four of them: 60,000 tokens, over the context even by the gateway's 10 % margin for an
-# estimate (whatever is over by less, the gateway leaves the engine to judge).
+# Four of them: 60,000 tokens together, over the 40,960 context; each fits on its own.
 BATCH = 4
-DOC_50K_TOKENS = "word " * 40_000  # alone over the context, margin or not
+# Alone over the context: 1.375M tokens on the simulator, 42,968 at 128 characters a token.
+DOC_TOO_LONG = "word " * 1_100_000
 
 
 def test_embeddings_of_inputs_that_each_fit_are_served_whatever_their_sum(gw: Gateway) -> None:
@@ -156,7 +156,7 @@ def test_a_single_input_over_the_context_is_still_refused_by_the_gateway(
 ) -> None:
     client = openai_client(gw.url)
     with pytest.raises(openai.BadRequestError) as refused:
-        client.embeddings.create(model=MODEL, input=[DOC_50K_TOKENS] if batched else DOC_50K_TOKENS)
+        client.embeddings.create(model=MODEL, input=[DOC_TOO_LONG] if batched else DOC_TOO_LONG)
     assert refused.value.code == "context_length_exceeded"
     assert GATEWAY_REFUSAL in refused.value.message
     assert "x-kneecap-backend" not in refused.value.response.headers  # never sent upstream

@@ -197,7 +197,8 @@ def test_a_prompt_over_the_engines_context_is_refused_by_the_gateway(
     gateway: Gateway, real_vllm: RealVllm
 ) -> None:
     # The gateway learnt the engine's --max-model-len from its /v1/models.
-    long_prompt = "knee " * (2 * MAX_MODEL_LEN)
+    # Over the context even at 128 characters a token: a refusal from characters is sure.
+    long_prompt = "knee " * (30 * MAX_MODEL_LEN)
     body = {"model": real_vllm.model, "prompt": long_prompt, "max_tokens": 1}
     response = httpx.post(gateway.url + "/v1/completions", json=body, timeout=SLOW)
     assert response.status_code == 400
