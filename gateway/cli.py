@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -38,7 +39,8 @@ def _serve(args: argparse.Namespace) -> int:
     drain = Drain(settings.listen.drain_timeout_s)
     app = create_app(
         settings,
-        config_path=args.config or os.environ.get(CONFIG_ENV),  # the file load_settings read
+        # the file load_settings read
+        config_path=args.config if args.config is not None else os.environ.get(CONFIG_ENV),
         sim_urls={s.name: s.url for s in sims},
         drain=drain,
     )
@@ -89,14 +91,32 @@ def _port(text: str) -> int:
     return port
 
 
-def _positive(text: str) -> float:
+def _number(text: str) -> float:
+    """``float(text)``, or NaN for what is no number: NaN then fails every range check."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
+        return math.nan
+
+
+def _positive(text: str) -> float:
+    value = _number(text)
+    if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
     return value
+
+
+def _non_negative(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value < math.inf:  # a negative or NaN delay fails anyio.sleep on every token
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number")
+    return value
+
+
+def _config_path(text: str) -> str:
+    if not text.strip():  # `--config "$CFG"` with CFG unset: not a request for the embedded sims
+        raise argparse.ArgumentTypeError("the config path is empty")
+    return text
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -186,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="run the gateway (embedded simulated backends without a config)"
     )
     serve.add_argument(
-        "--config", help="YAML config file (default: $KNEECAP_CONFIG, else embedded)"
+        "--config",
+        type=_config_path,
+        help="YAML config file (default: $KNEECAP_CONFIG, else embedded)",
     )
     serve.add_argument("--host", help="listen address (overrides config)")
     serve.add_argument("--port", type=_port, help="listen port (overrides config)")
@@ -202,8 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--port", type=_port, default=8100)
     sim.add_argument("--model", default=DEFAULT_MODEL)
     sim.add_argument("--profile", help="calibrated engine profile, e.g. qwen3-4b/l40s/bf16/vllm")
-    sim.add_argument("--ttft-ms", type=float, default=50.0, help="fixed TTFT when no profile")
-    sim.add_argument("--itl-ms", type=float, default=15.0, help="fixed ITL when no profile")
+    sim.add_argument(
+        "--ttft-ms", type=_non_negative, default=50.0, help="fixed TTFT when no profile"
+    )
+    sim.add_argument("--itl-ms", type=_non_negative, default=15.0, help="fixed ITL when no profile")
     sim.add_argument(
         "--speed", type=_positive, default=1.0, help="run K times faster than real time"
     )
@@ -218,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=_sim)
 
     check = sub.add_parser("check-config", help="validate a config file")
-    check.add_argument("file")
+    check.add_argument("file", type=_config_path)
     check.set_defaults(func=_check_config)
 
     try:

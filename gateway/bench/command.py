@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import anyio
 
-from gateway.bench.client import TargetError
+from gateway.bench.client import ApiUrl, TargetError
 from gateway.bench.compare import comparison_json, render_comparison
 from gateway.bench.export import result_csv, result_json
 from gateway.bench.loadgen import HttpTarget
@@ -196,6 +196,10 @@ def _plan(args: argparse.Namespace) -> tuple[SweepPlan, list[Workload]]:
             raise OptionError(f"--{option.replace('_', '-')} {path}: is a directory")
     if args.plot is not None:
         check_plot_path(args.plot)
+    specs = _target_specs(args)
+    if len(specs) == 2 and _same_target(*specs):  # both would report under one label
+        first = "--sim" if args.sim is not None else "--url"
+        raise OptionError(f"--compare {args.compare}: the same target as {first}")
     slo = parse_slo(args.slo) if args.slo else None
     if args.requests_file is not None:
         workloads: list[Workload] = [
@@ -225,6 +229,20 @@ def _plan(args: argparse.Namespace) -> tuple[SweepPlan, list[Workload]]:
     return plan, workloads
 
 
+def _target_specs(args: argparse.Namespace) -> list[str]:
+    """The targets as ``_target`` takes them: a URL or ``sim:PROFILE``, A then B."""
+    specs = [SIM_PREFIX + args.sim if args.sim is not None else args.url]
+    if args.compare is not None:  # `--compare "$URL"` with URL unset is a bad URL, not no B
+        specs.append(args.compare)
+    return specs
+
+
+def _same_target(a: str, b: str) -> bool:
+    if a.startswith(SIM_PREFIX) or b.startswith(SIM_PREFIX):
+        return a == b
+    return ApiUrl.parse(a).api == ApiUrl.parse(b).api  # with or without /v1, one endpoint
+
+
 def _target(spec: str, args: argparse.Namespace, max_in_flight: int) -> Target:
     if spec.startswith(SIM_PREFIX):
         return SimTarget.for_profile(spec[len(SIM_PREFIX) :])
@@ -245,12 +263,9 @@ async def _sweep(
 ) -> tuple[SweepResult, list[str]]:
     # Open loop has no bound on requests in flight; the pool must not become one.
     in_flight = int(max(plan.loads)) if plan.kind == "concurrency" else 2048
-    specs = [SIM_PREFIX + args.sim if args.sim else args.url]
-    if args.compare:
-        specs.append(args.compare)
     targets: list[Target] = []
     try:
-        for spec in specs:
+        for spec in _target_specs(args):
             targets.append(_target(spec, args, in_flight))
         progress = ProgressDisplay(None if args.quiet else err)
         result = await run_sweep(plan, workloads, targets, progress)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -77,6 +78,7 @@ def find_knee(points: Sequence[CurvePoint], kind: LoadKind, *, fraction: float =
 
 def marginal_knee(curve: Sequence[CurvePoint], kind: LoadKind, *, fraction: float) -> Finding:
     unit = _unit(kind)
+    curve = _one_per_load(curve)
     if len(curve) < 2:
         return Finding(None, "too few points: a knee needs at least two loads", True)
     first = curve[0]
@@ -108,6 +110,14 @@ def marginal_knee(curve: Sequence[CurvePoint], kind: LoadKind, *, fraction: floa
         True,
         _beyond(hi.load, kind),
     )
+
+
+def _one_per_load(curve: Sequence[CurvePoint]) -> list[CurvePoint]:
+    """Points measured at one load merged into their mean: a slope needs two loads."""
+    return [
+        CurvePoint(load, statistics.fmean(p.throughput for p in same))
+        for load, same in itertools.groupby(curve, key=lambda p: p.load)
+    ]
 
 
 def slo_knee(curve: Sequence[CurvePoint], kind: LoadKind) -> Finding:

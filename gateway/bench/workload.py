@@ -11,6 +11,7 @@ identically against two targets (which ``--compare`` relies on).
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -75,11 +76,19 @@ def parse_prompt_tokens(text: str) -> list[PromptMix]:
             "or for none (1024,8192 runs each length as its own series)"
         )
     pairs = [_parse_pair(item) for item in items]
+    lengths = [n for n, _ in pairs]
+    if repeated := sorted({n for n in lengths if lengths.count(n) > 1}):
+        # Two series of one length would share a label, and their points one curve.
+        raise WorkloadError(
+            f"--prompt-tokens {text!r}: {', '.join(map(str, repeated))} given more than once"
+        )
     if not all(weighted):
         return [PromptMix((n,), (1.0,)) for n, _ in pairs]
     total = sum(w for _, w in pairs)
     if total <= 0:
         raise WorkloadError(f"--prompt-tokens {text!r}: weights sum to zero")
+    if not math.isfinite(total):  # each weight is finite, their sum overflowed
+        raise WorkloadError(f"--prompt-tokens {text!r}: weights too large")
     return [PromptMix(tuple(n for n, _ in pairs), tuple(w / total for _, w in pairs))]
 
 
@@ -92,8 +101,10 @@ def _parse_pair(item: str) -> tuple[int, float]:
         raise WorkloadError(
             f"bad prompt length {item!r}: expected TOKENS or TOKENS:WEIGHT"
         ) from None
-    if n < 1 or w < 0:
-        raise WorkloadError(f"bad prompt length {item!r}: tokens >= 1 and weight >= 0")
+    if n < 1 or not (math.isfinite(w) and w >= 0):  # NaN compares false to everything
+        raise WorkloadError(
+            f"bad prompt length {item!r}: tokens >= 1 and weight >= 0 (a finite number)"
+        )
     return n, w
 
 
