@@ -53,7 +53,7 @@ def build_transport(settings: Settings) -> UpstreamTransport:
     """kneecap's own keep-alive transport for plain HTTP: httpx's default one spends
     most of the relay's CPU on pool bookkeeping and pure-Python parsing (see
     ``gateway/upstream.py``); ``https://`` goes to httpx's transport unchanged."""
-    return UpstreamTransport(max_connections=settings.upstream.max_connections)
+    return UpstreamTransport(max_connections=settings.upstream_connections)
 
 
 def own_connections(settings: Settings) -> int:
@@ -72,12 +72,11 @@ def build_client(
     replay it: its cookie policy accepts none. Proxied requests skip the client
     layer and go straight to the transport.
     """
-    upstream = settings.upstream
     client = httpx.AsyncClient(
         timeout=upstream_timeout(settings),
         limits=httpx.Limits(
-            max_connections=upstream.max_connections,
-            max_keepalive_connections=upstream.max_connections,
+            max_connections=settings.upstream_connections,
+            max_keepalive_connections=settings.upstream_connections,
         ),
         transport=transport or build_transport(settings),
         trust_env=False,
@@ -162,7 +161,7 @@ def create_app(
 
         def on_reload() -> None:
             live = runtime.current.settings
-            transport.resize(live.upstream.max_connections)
+            transport.resize(live.upstream_connections)
             own_transport.resize(own_connections(live))
             prober.probe_soon()  # new replicas are probed now, not a full interval later
             scrape_pacer.wake()  # a changed interval applies now, not after the old one

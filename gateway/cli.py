@@ -32,7 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kneecap: invalid config:\n{exc}", file=sys.stderr)
         return 1
-    _warn_ignored_environment(settings)
+    _warn_of_likely_slips(settings)
     host = args.host or settings.listen.host
     port = args.port if args.port is not None else settings.listen.port
     sims = build_embedded_sims(settings.backends)
@@ -60,9 +60,11 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _warn_ignored_environment(settings: Settings) -> None:
+def _warn_of_likely_slips(settings: Settings) -> None:
     for name in ignored_environment(settings):
         print(f"kneecap: warning: {name} names no setting; ignored", file=sys.stderr)
+    for warning in settings.shared_engines():
+        print(f"kneecap: warning: {warning}", file=sys.stderr)
 
 
 def _print_banner(settings: Settings, host: str, port: int, sims: Sequence[object]) -> None:
@@ -174,7 +176,7 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"{args.file}: invalid config:\n{exc}", file=sys.stderr)
         return 1
-    _warn_ignored_environment(settings)
+    _warn_of_likely_slips(settings)
     print(f"{args.file}: ok")
     print(f"  listen {settings.listen.host}:{settings.listen.port}")
     for name, pool in settings.pools.items():

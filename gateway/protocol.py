@@ -1,35 +1,60 @@
 """uvicorn's httptools protocol, stamping when a request's first bytes were read,
-refusing request heads too large to be honest, and writing a response's head with
-the bytes that follow it."""
+refusing request heads too large or too slow to be honest, cutting clients that stop
+reading, and writing a response's head with the bytes that follow it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.settings import ListenConfig
+
+log = logging.getLogger("kneecap")
 
 ARRIVED_SCOPE_KEY = "kneecap.arrived"
 # httptools buffers a head of any size; a client must not make the gateway hold megabytes
 # of headers per connection. 64 KiB is above what real clients send (Envoy's default limit
 # is 60 KiB, nginx's 32 KiB).
 MAX_HEAD_BYTES = 64 * 1024
+# Of a request line past its method and target: " HTTP/1.1\r\n" and the space between.
+_REQUEST_LINE_BYTES = len(" ") + len(" HTTP/1.1\r\n")
+_HEADER_SEPARATOR_BYTES = len(": ") + len("\r\n")
+_DEFAULT_LISTEN = ListenConfig.model_validate({})
 
-_TOO_LARGE_BODY = json.dumps(
-    {
-        "error": {
-            "message": f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "request_header_fields_too_large",
+
+def _refusal(status: bytes, message: str, code: str) -> bytes:
+    """A whole answer the protocol writes itself, OpenAI-shaped like the app's, before closing."""
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": code,
+            }
         }
-    }
-).encode()
-_TOO_LARGE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_TOO_LARGE_BODY), _TOO_LARGE_BODY)
+    ).encode()
+    return (
+        b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (status, len(body), body)
+    )
+
+
+_TOO_LARGE = _refusal(
+    b"431 Request Header Fields Too Large",
+    f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
+    "request_header_fields_too_large",
+)
+_HEAD_TIMEOUT = _refusal(
+    b"408 Request Timeout",
+    "request line and headers not received in time",
+    "request_timeout",
 )
 
 
@@ -102,10 +127,14 @@ class HeadWithBody:
 
 
 class GatewayProtocol(HttpToolsProtocol):
-    _head_bytes = 0  # bytes of earlier reads while the head was incomplete
+    # Bytes of the head being read, counted at the end of each read that left it unfinished;
+    # -1 while the read in which it began is parsed: that read may end an earlier request.
+    _head_bytes = 0
     _read = 0  # bytes of the read being parsed
     _heading = False  # a request's head is being read
     _head_too_large = False
+    _head_timer: asyncio.TimerHandle | None = None  # a head that began must end by then
+    _send_timer: asyncio.TimerHandle | None = None  # the client must read by then
     held_head: HeadWithBody | None = None  # a response head waiting for its body
 
     def flush_held_head(self) -> None:
@@ -113,18 +142,41 @@ class GatewayProtocol(HttpToolsProtocol):
         if self.held_head is not None:
             self.held_head.flush()
 
+    def _listen(self) -> ListenConfig:
+        """The live ``listen`` settings: a reload applies to the next timer set."""
+        runtime = self.app_state.get("runtime")  # the lifespan's state, once it started
+        return runtime.current.settings.listen if runtime is not None else _DEFAULT_LISTEN
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # uvicorn times a connection out only once it answered on it: one that never sends
+        # a byte would be held for good. Its first read cancels this, as any read does.
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._head_timer, self._send_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._send_timer = None
+        super().connection_lost(exc)
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._heading = True
-        self._head_bytes = 0
+        self._head_bytes = -1
         self.scope[ARRIVED_SCOPE_KEY] = time.perf_counter()  # type: ignore[typeddict-unknown-key]
 
     def on_headers_complete(self) -> None:
         self._heading = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         # The head is within the bytes read for it: measured only when those could exceed
         # the limit (a callback per header cost the request path more than the check).
         if self._head_bytes + self._read > MAX_HEAD_BYTES:
-            size = len(self.url) + sum(len(name) + len(value) for name, value in self.headers)
+            size = len(self.parser.get_method()) + _REQUEST_LINE_BYTES + self._parsed_head_bytes()
             if size > MAX_HEAD_BYTES:
                 self._head_too_large = True
                 raise _HeadTooLarge  # httptools makes it a parser error: uvicorn's 400 path
@@ -133,26 +185,107 @@ class GatewayProtocol(HttpToolsProtocol):
         if self.cycle is not previous:  # the same: an upgrade, which uvicorn handles itself
             self.cycle.transport = HeadWithBody(self.transport, self.loop, self)  # type: ignore[assignment]
 
+    def _parsed_head_bytes(self) -> int:
+        """The head's bytes parsed so far past the method, each separator counted once."""
+        headers = sum(len(name) + len(value) for name, value in self.headers)
+        return len(self.url) + headers + _HEADER_SEPARATOR_BYTES * (len(self.headers) + 1)
+
     def data_received(self, data: bytes) -> None:
+        # uvicorn's, but for an upgrade other than a WebSocket's, which is ignored rather
+        # than left to swallow the request's body (and what follows it) unread.
         self._read = len(data)
-        super().data_received(data)
-        # A head still not whole after a read is counted there, so one that never ends
-        # is held to at most one read past the limit.
-        if self._heading:
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES and self.transport is not None:
-                self._heading = False
-                self.flush_held_head()
-                self.transport.write(_TOO_LARGE)
-                self.transport.close()
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response(f"Invalid HTTP request: {exc}")
+            return
+        except httptools.HttpParserUpgrade as upgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._read_on_without_upgrade(data[upgrade.args[0] :])
+            return
+        if self._heading:  # rare: a head split across reads
+            self._head_left_unfinished()
+
+    def _head_left_unfinished(self) -> None:
+        """A read ended inside a head: count it, so that one that never ends is held to at
+        most one read past the limit, and time it, so that one that trickles in ends."""
+        if self._head_bytes < 0:  # begun in this read, maybe after the end of a body
+            self._head_bytes = self._parsed_head_bytes()
+        else:
+            self._head_bytes += self._read
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._heading = False
+            self.flush_held_head()
+            self.transport.write(_TOO_LARGE)
+            self.transport.close()
+        elif self._head_timer is None:
+            timeout = self._listen().head_timeout_s
+            self._head_timer = self.loop.call_later(timeout, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._heading or self.transport.is_closing():
+            return
+        if self.flow.read_paused or (self.cycle is not None and not self.cycle.response_complete):
+            # Pipelined behind an answer still going: the gateway is not reading, or is not
+            # waiting for this head yet; the wait is its own, not the client's.
+            timeout = self._listen().head_timeout_s
+            self._head_timer = self.loop.call_later(timeout, self._head_timed_out)
+            return
+        self._heading = False
+        self.flush_held_head()
+        self.transport.write(_HEAD_TIMEOUT)
+        self.transport.close()
+
+    def _read_on_without_upgrade(self, rest: bytes) -> None:
+        """httptools took the request for an upgrade (``curl --http2``'s h2c): it skipped
+        its body and stopped at the end of its head, leaving the rest unread. RFC 9110
+        §7.8 lets a server ignore an upgrade: the request is served as HTTP/1.1. A fresh
+        parser reads on, from a stand-in head that frames the body as the request did."""
+        framing = b"".join(
+            b"%s: %s\r\n" % (name, value)
+            for name, value in self.headers
+            if name in (b"content-length", b"transfer-encoding")
+        )
+        self.cycle.more_body = True  # its handler has not run yet: nothing read it
+        self.cycle.message_event.clear()
+        self.parser = httptools.HttpRequestParser(_AfterStandInHead(self))
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's
+        self.data_received(b"POST / HTTP/1.1\r\n" + framing + b"\r\n" + rest)
 
     def send_400_response(self, msg: str) -> None:
         self.flush_held_head()
-        if not self._head_too_large:
-            super().send_400_response(msg)
-            return
-        self.transport.write(_TOO_LARGE)
+        if self._head_too_large:
+            self.transport.write(_TOO_LARGE)
+        else:
+            self.transport.write(_refusal(b"400 Bad Request", msg, "invalid_http_request"))
         self.transport.close()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        # The client reads nothing: its socket's buffers and the transport's are full. One
+        # that never reads again would hold its request, and its backend's permit, for good.
+        if self._send_timer is None:
+            timeout = self._listen().send_timeout_s
+            self._send_timer = self.loop.call_later(timeout, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timed_out(self) -> None:
+        """Cut, not closed: a close would wait for the unread bytes to leave. The handler
+        then sees its client gone and takes that path (upstream closed, permit released)."""
+        self._send_timer = None
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.info("%s read nothing for %g s: connection cut", client, self._listen().send_timeout_s)
+        self.transport.abort()
 
     def handle_websocket_upgrade(self) -> None:
         self.flush_held_head()
@@ -165,3 +298,35 @@ class GatewayProtocol(HttpToolsProtocol):
     def timeout_keep_alive_handler(self) -> None:
         self.flush_held_head()
         super().timeout_keep_alive_handler()
+
+
+class _AfterStandInHead:
+    """Parser callbacks past an ignored upgrade: the stand-in head's go nowhere (its request
+    has its cycle already), its body's and every later request's go to the protocol."""
+
+    def __init__(self, protocol: GatewayProtocol) -> None:
+        self._protocol = protocol
+        self._stand_in = True
+
+    def on_message_begin(self) -> None:
+        if not self._stand_in:
+            self._protocol.on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        if not self._stand_in:
+            self._protocol.on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._stand_in:
+            self._protocol.on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if not self._stand_in:
+            self._protocol.on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._protocol.on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._stand_in = False
+        self._protocol.on_message_complete()

@@ -315,6 +315,8 @@ class Runtime:
         self.on_reload()
         names = ", ".join(r.name for r in self.current.backends.replicas)
         message = f"config applied: {len(self.current.backends.replicas)} backends ({names})"
+        for warning in settings.shared_engines():
+            log.warning("config reload: %s", warning)
         unapplied = _needing_a_restart(self._at_startup or settings, settings)
         if unapplied:
             log.warning("config reload: %s take effect only at a restart", ", ".join(unapplied))
@@ -356,10 +358,16 @@ def _needing_a_restart(running: Settings, new: Settings) -> list[str]:
         for key in ("host", "port", "drain_timeout_s")
         if getattr(running.listen, key) != getattr(new.listen, key)
     ]
-    old_sims = {b.name: b.sim for b in running.backends if b.sim is not None}
-    changed += [
-        f"backends.{b.name}.sim"
-        for b in new.backends
-        if b.sim is not None and b.name in old_sims and old_sims[b.name] != b.sim
-    ]
+    old_sims = {b.name: b for b in running.backends if b.sim is not None}
+    for b in new.backends:
+        old = old_sims.get(b.name)
+        if b.sim is None or old is None:
+            continue
+        # The simulator serves the model it was started with: a new name would reach
+        # the gateway's listing but not the engine.
+        changed += [
+            f"backends.{b.name}.{key}"
+            for key in ("sim", "models", "engine")
+            if getattr(old, key) != getattr(b, key)
+        ]
     return changed

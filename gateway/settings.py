@@ -7,11 +7,13 @@ mappings as JSON, e.g. ``KNEECAP_AUTH__API_KEYS='["k1"]'``).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -19,7 +21,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from pydantic_settings.exceptions import SettingsError
 
 from policies.knee import KneeLimitConfig
-from policies.registry import LimitConfig
+from policies.registry import LimitConfig, controller_kinds
 
 ENV_PREFIX = "KNEECAP_"
 CONFIG_ENV = "KNEECAP_CONFIG"
@@ -28,6 +30,23 @@ CONFIG_ENV = "KNEECAP_CONFIG"
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_yes_or_no_for_a_number(cls, data: Any) -> Any:
+        # pydantic reads `true`/`false` as 1/0 where a number is due: `port: false` bound
+        # a random port, `max_queue_depth: false` shed every queued request.
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if isinstance(value, bool) and name in _numeric_fields(cls):
+                    raise ValueError(f"`{name}` must be a number, got {str(value).lower()}")
+        return data
+
+
+@functools.cache
+def _numeric_fields(model: type[BaseModel]) -> frozenset[str]:
+    numbers = (int, float, int | None, float | None)
+    return frozenset(name for name, f in model.model_fields.items() if f.annotation in numbers)
+
 
 class ListenConfig(Frozen):
     host: str = "127.0.0.1"
@@ -35,6 +54,13 @@ class ListenConfig(Frozen):
     # On SIGTERM/Ctrl-C, how long requests in flight and in the queues may take to
     # finish; then the queued ones are answered 503 and the rest cut. Read at startup.
     drain_timeout_s: float = Field(120.0, ge=0)
+    # How long a client may leave a response unread (the socket's buffers full) before its
+    # connection is cut, like nginx's send_timeout: else a client that stops reading a stream
+    # holds its backend's permit for good. Each stall is timed afresh.
+    send_timeout_s: float = Field(60.0, gt=0)
+    # How long a request line and headers may take to arrive once begun: a head that trickles
+    # in would hold its connection (a file descriptor) for good.
+    head_timeout_s: float = Field(30.0, gt=0)
 
 
 class SimConfig(Frozen):
@@ -80,7 +106,7 @@ class BackendConfig(Frozen):
     url: str | None = None  # filled in for `sim` backends once they listen
     pool: str = "short"
     engine: Literal["vllm", "sglang", "openai"] = "vllm"
-    models: tuple[str, ...] = ()  # empty → discovered from the backend's /v1/models
+    models: tuple[Annotated[str, Field(min_length=1)], ...] = ()  # empty → from /v1/models
     api_key: SecretStr | None = None
     api_key_env: str | None = None
     sim: SimConfig | None = None
@@ -117,6 +143,16 @@ class BackendConfig(Frozen):
     def _url_or_sim(self) -> BackendConfig:
         if self.url is None and self.sim is None:
             raise ValueError("a backend needs `url` (or `sim` for a simulated one)")
+        # Either would silently win over the other; say which one is meant.
+        if self.url is not None and self.sim is not None:
+            raise ValueError("a backend has `url` or `sim` (a simulator kneecap starts), not both")
+        if self.api_key is not None and self.api_key_env:
+            raise ValueError("a backend has `api_key` or `api_key_env`, not both")
+        if self.api_key_env and not os.environ.get(self.api_key_env, "").strip():
+            raise ValueError(
+                f"api_key_env names {self.api_key_env}, which is unset or empty "
+                "(the backend would be called without its key)"
+            )
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
         return self
@@ -179,7 +215,9 @@ class UpstreamConfig(Frozen):
     # Longest wait for the next chunk: a stalled engine fails instead of hanging.
     read_timeout_s: float = Field(120.0, gt=0)
     max_attempts: int = Field(3, ge=1)
-    max_connections: int = Field(1024, ge=1)
+    # None → the sum of the backends' largest limits, at least 1024 (a fixed 1024 refused
+    # five backends of default limits).
+    max_connections: int | None = Field(None, ge=1)
 
 
 class AdmissionConfig(Frozen):
@@ -214,6 +252,17 @@ class EstimatorConfig(Frozen):
                     "estimator.tokenizers needs the `tokenizers` package: "
                     "pip install 'kneecap[tokenizers]'"
                 )
+            from tokenizers import Tokenizer  # only when configured: not a core dependency
+
+            # Read once here, so a file that is no tokenizer.json is refused at load, not
+            # answered 500 on every request for its model.
+            for model, path in self.tokenizers.items():
+                try:
+                    Tokenizer.from_file(path)
+                except Exception as exc:  # the library raises its own untyped errors
+                    raise ValueError(
+                        f"tokenizer for {model!r}: {path!r} is not a tokenizer.json ({exc})"
+                    ) from None
         return self
 
 
@@ -286,6 +335,16 @@ class AuthConfig(Frozen):
             raise ValueError("api_keys: a client key must not be empty")
         if self.admin_token is not None and not self.admin_token.get_secret_value().strip():
             raise ValueError("admin_token must not be empty (leave it out for no token)")
+        # An unmounted secret must not turn into "no keys": that is a gateway open to all.
+        if self.api_keys_env and not os.environ.get(self.api_keys_env, "").strip(" ,"):
+            raise ValueError(
+                f"api_keys_env names {self.api_keys_env}, which is unset or holds no key "
+                "(with no keys the gateway would admit every client)"
+            )
+        seen: dict[str, str] = {}
+        for key, priority in self.client_keys():
+            if seen.setdefault(key, priority) != priority:
+                raise ValueError("api_keys: a client key is listed as both interactive and batch")
         return self
 
     def client_keys(self) -> tuple[tuple[str, str], ...]:
@@ -301,6 +360,8 @@ class AuthConfig(Frozen):
             keys += [(k.strip(), "interactive") for k in extra if k.strip()]
         return tuple(keys)
 
+
+DEFAULT_MAX_CONNECTIONS = 1024
 
 DEFAULT_POOLS: dict[str, dict[str, int]] = {
     "short": {"max_prompt_tokens": 8192},
@@ -346,8 +407,8 @@ class Settings(BaseSettings):
         if duplicates:
             raise ValueError(f"backend names must be unique, repeated: {', '.join(duplicates)}")
         # One pool serves every backend, and each may be at its largest limit at once.
-        needed = sum(self.limit_of(b).max for b in self.backends)
-        if self.upstream.max_connections < needed:
+        needed = self._connections_needed()
+        if self.upstream.max_connections is not None and self.upstream.max_connections < needed:
             raise ValueError(
                 f"upstream.max_connections ({self.upstream.max_connections}) must be at least the "
                 f"sum of the backends' largest concurrency limits ({needed}): the pool is "
@@ -362,8 +423,43 @@ class Settings(BaseSettings):
                 )
         return self
 
+    def shared_engines(self) -> list[str]:
+        """Warnings for backends at one URL: each admits up to its own limit, so the engine
+        gets their sum. Not refused: one engine in two pools (two queues, two limits
+        summing to its knee) is a setup of its own, and tests use it."""
+        by_url: dict[str, list[str]] = {}
+        for b in self.backends:
+            if b.url is not None:
+                by_url.setdefault(_same_engine(b.url), []).append(b.name)
+        return [
+            f"backends {', '.join(names)} are one engine ({url}): each admits up to its own "
+            "limit, the engine gets their sum"
+            for url, names in by_url.items()
+            if len(names) > 1
+        ]
+
+    def _connections_needed(self) -> int:
+        return sum(self.limit_of(b).max for b in self.backends)
+
+    @property
+    def upstream_connections(self) -> int:
+        """The traffic pool's bound: ``upstream.max_connections`` or its default."""
+        if self.upstream.max_connections is not None:
+            return self.upstream.max_connections
+        return max(DEFAULT_MAX_CONNECTIONS, self._connections_needed())
+
     def limit_of(self, backend: BackendConfig) -> LimitConfig:
         return backend.limit if backend.limit is not None else self.admission.limit
+
+
+def _same_engine(url: str) -> str:
+    """A URL as one engine is known by: scheme and host are case-blind, the port
+    defaults by scheme, and a trailing slash changes nothing."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    return (
+        f"{parts.scheme.lower()}://{(parts.hostname or '').lower()}:{port}{parts.path.rstrip('/')}"
+    )
 
 
 class ConfigError(Exception):
@@ -381,7 +477,7 @@ def format_validation_error(error: ValidationError) -> str:
     kept = [i for i in items if not (_internal_parts(i["loc"]) and isinstance(i["input"], dict))]
     lines = []
     for item in kept or items:
-        parts = [str(part) for part in item["loc"] if not _is_branch_name(part)]
+        parts = _file_path(item["loc"])
         lines.append(f"{'.'.join(parts) or '(top level)'}: {item['msg']}")
     return "\n".join(lines)
 
@@ -390,8 +486,42 @@ def _is_branch_name(part: str | int) -> bool:
     return isinstance(part, str) and ("[" in part or part[:1].isupper())
 
 
+def _file_path(loc: tuple[str | int, ...]) -> list[str]:
+    parts: list[str] = []
+    for part in loc:
+        # pydantic names a limit block's branch by its tag (`limit.knee.initial`): in
+        # the file that is the value of `kind`, not a key.
+        is_tag = parts[-1:] == ["limit"] and part in controller_kinds()
+        if not (_is_branch_name(part) or is_tag):
+            parts.append(str(part))
+    return parts
+
+
 def _internal_parts(loc: tuple[str | int, ...]) -> bool:
     return any(isinstance(part, str) and "[" in part for part in loc)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML keeps the last of a key given twice; in a config that is an editing slip
+    (a second `auth:` block silently dropped the first one's keys), so it is refused."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base`: keys given beside it override the base's on purpose
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, list | dict):
+                continue  # unhashable: the base class reports it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    f"found the key {key!r} twice",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -402,7 +532,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): {exc.reason}") from exc
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
     if not isinstance(data, dict):
@@ -460,7 +590,11 @@ def ignored_environment(settings: Settings, environ: Mapping[str, str] = os.envi
 
 def load_settings(path: str | Path | None) -> Settings:
     """From a file (or ``$KNEECAP_CONFIG``), else the embedded default."""
-    path = path or os.environ.get(CONFIG_ENV)
+    if path is None:
+        path = os.environ.get(CONFIG_ENV)
+    if path is not None and not str(path).strip():
+        # `--config "$CFG"` with CFG unset: not a request for the simulated default.
+        raise ConfigError(f"the config path is empty (--config or ${CONFIG_ENV})")
     if path is None:
         from gateway.embedded import default_config
 

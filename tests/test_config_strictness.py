@@ -1,0 +1,199 @@
+"""Config mistakes that used to load and run quietly wrong are refused, naming the key.
+
+Each case was reproduced before its fix: an unmounted secret opened the gateway to
+everyone, a repeated YAML key dropped a block, two backends at one engine admitted
+twice its knee, an empty ``--config`` started the simulated default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from gateway.settings import ConfigError, build_settings, load_settings
+from tests.procs import backend, start_gateway, start_sim
+from tests.test_cli import run_cli
+
+NOWHERE = "http://127.0.0.1:9"
+
+
+def refusal(data: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as caught:
+        build_settings(data)
+    return str(caught.value)
+
+
+def test_client_keys_from_an_unset_or_empty_variable_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = {"auth": {"api_keys_env": "KNEECAP_TEST_KEYS"}}
+    monkeypatch.delenv("KNEECAP_TEST_KEYS", raising=False)
+    assert "KNEECAP_TEST_KEYS" in refusal(config)
+    monkeypatch.setenv("KNEECAP_TEST_KEYS", " , ")
+    assert "holds no key" in refusal(config)
+    monkeypatch.setenv("KNEECAP_TEST_KEYS", "k1,k2")
+    assert [k for k, _ in build_settings(config).auth.client_keys()] == ["k1", "k2"]
+
+
+def test_a_backend_key_from_an_unset_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KNEECAP_TEST_BACKEND_KEY", raising=False)
+    config = {"backends": [backend("a", NOWHERE, api_key_env="KNEECAP_TEST_BACKEND_KEY")]}
+    assert "KNEECAP_TEST_BACKEND_KEY" in refusal(config)
+    monkeypatch.setenv("KNEECAP_TEST_BACKEND_KEY", "secret")
+    assert build_settings(config).backends[0].resolved_api_key() == "secret"
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"sim": {"ttft_ms": 1}}, "`url` or `sim`"),
+        ({"api_key": "k", "api_key_env": "HOME"}, "`api_key` or `api_key_env`"),
+        ({"models": [""]}, "models.0"),
+    ],
+)
+def test_a_backend_that_says_two_things_is_refused(extra: dict[str, Any], words: str) -> None:
+    assert words in refusal({"backends": [backend("a", NOWHERE, **extra)]})
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (NOWHERE, NOWHERE + "/"),
+        (NOWHERE, NOWHERE + "//"),
+        ("http://engine.internal", "http://ENGINE.internal:80/"),
+        ("https://engine.internal:443", "https://engine.internal"),
+    ],
+)
+def test_two_backends_at_one_engine_are_warned_of(first: str, second: str) -> None:
+    config = {"backends": [backend("a", first), backend("b", second)]}
+    (warning,) = build_settings(config).shared_engines()
+    assert "backends a, b are one engine" in warning
+
+
+def test_check_config_prints_the_shared_engine_warning(tmp_path: Path) -> None:
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump({"backends": [backend("a", NOWHERE), backend("b", NOWHERE)]}))
+    result = run_cli("check-config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "warning: backends a, b are one engine" in result.stderr
+
+
+def test_backends_at_other_ports_or_paths_are_not_one_engine() -> None:
+    urls = [
+        "http://127.0.0.1:9",
+        "http://127.0.0.1:10",
+        "http://127.0.0.1:9/b",
+        "https://127.0.0.1:9",
+    ]
+    config = {"backends": [backend(f"b{i}", url) for i, url in enumerate(urls)]}
+    assert build_settings(config).shared_engines() == []
+
+
+def test_a_client_key_in_both_classes_is_refused() -> None:
+    keys = ["k", {"key": "k", "priority": "batch"}]
+    assert "both interactive and batch" in refusal({"auth": {"api_keys": keys}})
+
+
+def test_a_key_given_twice_in_a_mapping_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "twice.yaml"
+    path.write_text("auth: {api_keys: [sk-a]}\nbackends: []\nauth: {admin_token: adm}\n")
+    with pytest.raises(ConfigError, match="found the key 'auth' twice"):
+        load_settings(path)
+
+
+def test_merge_keys_may_still_override_their_base(tmp_path: Path) -> None:
+    path = tmp_path / "merge.yaml"
+    path.write_text(
+        "pools:\n"
+        "  short: &base {max_prompt_tokens: 8192, max_queue_depth: 8}\n"
+        "  other:\n    <<: *base\n    max_queue_depth: 16\n"
+    )
+    pools = load_settings(path).pools
+    assert (pools["other"].max_prompt_tokens, pools["other"].max_queue_depth) == (8192, 16)
+
+
+def test_an_empty_config_path_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="config path is empty"):
+        load_settings("")
+    monkeypatch.setenv("KNEECAP_CONFIG", "")
+    with pytest.raises(ConfigError, match="config path is empty"):
+        load_settings(None)
+
+
+def test_errors_in_a_limit_block_name_the_keys_the_file_has() -> None:
+    message = refusal({"admission": {"limit": {"ttft_p95_sl0": 1}}})
+    assert "admission.limit.ttft_p95_sl0" in message, message
+    backends = [backend("a", NOWHERE, limit={"kind": "static", "intial": 4})]
+    message = refusal({"backends": backends})
+    assert "backends.0.limit.intial" in message, message
+
+
+def test_five_backends_of_default_limits_fit_the_default_pool() -> None:
+    config = {"backends": [backend(f"b{i}", f"http://127.0.0.1:{10 + i}") for i in range(5)]}
+    settings = build_settings(config)
+    needed = sum(settings.limit_of(b).max for b in settings.backends)
+    assert needed > 1024
+    assert settings.upstream_connections == needed
+    narrow = {**config, "upstream": {"max_connections": 1024}}
+    assert "upstream.max_connections" in refusal(narrow)
+
+
+def test_a_reload_with_a_key_given_twice_keeps_the_old_config(tmp_path: Path) -> None:
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    try:
+        gw = start_gateway(
+            tmp_path, {"backends": [backend("a", sim.url)], "auth": {"api_keys": ["sk-a"]}}
+        )
+        try:
+            text = gw.config_path.read_text()
+            gw.config_path.write_text(text + "auth: {admin_token: adm}\n")
+            response = httpx.post(gw.url + "/admin/reload", timeout=5)
+            assert response.status_code == 400, response.text
+            assert "twice" in response.json()["message"]
+            chat = {"model": "Qwen/Qwen3-4B", "messages": [{"role": "user", "content": "hi"}]}
+            keyless = httpx.post(gw.url + "/v1/chat/completions", json=chat, timeout=10)
+            assert keyless.status_code == 401  # the keys still hold
+        finally:
+            gw.proc.stop()
+    finally:
+        sim.stop()
+
+
+def test_a_reload_says_a_simulators_model_waits_for_a_restart() -> None:
+    from gateway.runtime import _needing_a_restart
+
+    def sim_backend(model: str) -> dict[str, Any]:
+        return {"name": "s", "pool": "short", "models": [model], "sim": {"ttft_ms": 1}}
+
+    running = build_settings({"backends": [sim_backend("model-a")]})
+    renamed = build_settings({"backends": [sim_backend("model-b")]})
+    assert _needing_a_restart(running, renamed) == ["backends.s.models"]
+    assert _needing_a_restart(running, running) == []
+
+
+def test_a_tokenizer_file_that_is_no_tokenizer_is_refused(tmp_path: Path) -> None:
+    junk = tmp_path / "tokenizer.json"
+    junk.write_text('{"not": "a tokenizer"}')
+    estimator = {"mode": "tokenizer", "tokenizers": {"m": str(junk)}}
+    message = refusal({"routing": {"estimator": estimator}})
+    assert "tokenizer for 'm'" in message and "not a tokenizer.json" in message, message
+
+
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ({"listen": {"port": False}}, "port"),
+        ({"pools": {"short": {"max_queue_depth": False}}}, "max_queue_depth"),
+        ({"health": {"interval_s": True}}, "interval_s"),
+    ],
+)
+def test_yes_or_no_where_a_number_is_due_is_refused(config: dict[str, Any], key: str) -> None:
+    assert f"`{key}` must be a number" in refusal(config)
+
+
+def test_yes_or_no_stays_fine_where_it_is_due() -> None:
+    assert build_settings({"routing": {"spill": {"to_shorter": True}}}).routing.spill.to_shorter
