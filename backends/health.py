@@ -19,6 +19,7 @@ import httpx
 from backends.pool import BackendSet
 from backends.replica import Replica
 from gateway.settings import HealthConfig
+from gateway.upstream import GatewayOutOfResources
 
 log = logging.getLogger("kneecap.health")
 
@@ -40,6 +41,8 @@ async def probe(client: httpx.AsyncClient, replica: Replica, config: HealthConfi
             )
             models.raise_for_status()
             replica.learn_models(models.json())
+    except GatewayOutOfResources:
+        raise  # no verdict on the backend: see probe_all
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return False
     # Best effort, and on every probe: an engine redeployed at the same address with
@@ -63,6 +66,16 @@ async def probe_all(
     async def one(replica: Replica) -> None:
         try:
             ok = await probe(client, replica, config)
+        except GatewayOutOfResources as exc:
+            # The gateway could not even ask: the backend keeps its last verdict (none
+            # yet, for a new one), rather than go DOWN for the gateway's own limit.
+            log.warning(
+                "could not probe backend %s: %s; the gateway's own limit (open files: "
+                "ulimit -n, or memory), not the backend's fault; its health is left as it was",
+                replica.name,
+                exc,
+            )
+            return
         except Exception:  # whatever one backend answers must not stop the others' probes
             log.exception("probing backend %s failed", replica.name)
             ok = False

@@ -73,10 +73,17 @@ class Reply(StampedSend):
 def header_map(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
     """The request's headers by name (lower case, as uvicorn gives them), the first of
     repeated ones, like ``Headers.get``: built in one pass, where each lookup in
-    Starlette's ``Headers`` scans and decodes the whole list again."""
+    Starlette's ``Headers`` scans and decodes the whole list again.
+
+    Repeated ``Connection`` lines are one list (RFC 9110 §5.3), joined: every header
+    any of them names is hop-by-hop, and must not reach the backend."""
     headers: dict[str, str] = {}
     for name, value in raw:
-        headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+        key = name.decode("latin-1")
+        if key not in headers:
+            headers[key] = value.decode("latin-1")
+        elif key == "connection":
+            headers[key] += ", " + value.decode("latin-1")
     return headers
 
 

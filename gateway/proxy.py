@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from gateway.relay import (
 from gateway.runtime import Runtime
 from gateway.settings import PoolConfig
 from gateway.sse_events import finish_reason_of
-from gateway.upstream import UpstreamResponse
+from gateway.upstream import GatewayOutOfResources, UpstreamResponse
 from policies.admission import (
     Lease,
     NoHealthyBackend,
@@ -61,6 +62,8 @@ from policies.admission import (
     ShuttingDown,
 )
 from policies.token_budget import Claim
+
+log = logging.getLogger("kneecap")
 
 # Client headers that are the gateway's business, not the backend's. ``expect``: the
 # gateway has the whole body before it sends upstream, so the backend must not be asked
@@ -130,20 +133,32 @@ def _max_queue_wait(request: ProxyRequest, pool: PoolConfig) -> float:
     return min(seconds, pool.max_queue_wait_ceiling_s)
 
 
+def upstream_identity(
+    raw_headers: Sequence[tuple[bytes, bytes]],
+    request_id: str,
+    replica: Replica,
+    forward_key: bool,
+) -> list[tuple[bytes, bytes]]:
+    """Who a call to a backend is for: the request id, and the backend's key, or else the
+    client's own when the operator forwards it. Every call made for a client request
+    carries them, proxied or not (``/tokenize``)."""
+    fields = [(b"x-request-id", request_id.encode("latin-1"))]
+    key = replica.config.resolved_api_key()
+    if key:
+        fields.append((b"authorization", b"Bearer %s" % key.encode("latin-1")))
+    elif forward_key:
+        fields += [(n, v) for n, v in raw_headers if n == b"authorization"]
+    return fields
+
+
 def _upstream_fields(request: ProxyRequest, replica: Replica, forward_key: bool) -> bytes:
     """The upstream request's header lines, from the client's raw ones (no decoding)."""
     named = connection_options(request.headers.get("connection"))
     dropped = _NOT_FORWARDED | named if named else _NOT_FORWARDED
     lines = [b"%s: %s\r\n" % pair for pair in request.raw_headers if pair[0] not in dropped]
     lines.append(_FIXED_FIELDS)
-    lines.append(b"x-request-id: %s\r\n" % request.request_id.encode("latin-1"))
-    key = replica.config.resolved_api_key()
-    if key:
-        lines.append(b"authorization: Bearer %s\r\n" % key.encode("latin-1"))
-    elif forward_key:
-        lines += [
-            b"authorization: %s\r\n" % v for n, v in request.raw_headers if n == b"authorization"
-        ]
+    identity = upstream_identity(request.raw_headers, request.request_id, replica, forward_key)
+    lines += [b"%s: %s\r\n" % pair for pair in identity]
     return b"".join(lines)
 
 
@@ -171,12 +186,13 @@ def _prepare_stream(request: ProxyRequest) -> bool:
     OpenAI all default it to false."""
     if request.endpoint == "/v1/embeddings":
         return False
-    body = request.body.rstrip()
-    if "stream_options" not in request.payload and body.endswith(b"}"):
-        # The body is a JSON object without the key: add it before the closing brace
-        # rather than re-encode the whole (possibly long) prompt.
-        request.body = body[:-1] + _INCLUDE_USAGE
-        return True
+    if "stream_options" not in request.payload:
+        body = _as_utf8(request.body)
+        if body is not None and (body := body.rstrip()).endswith(b"}"):
+            # The body is a JSON object without the key: add it before the closing brace
+            # rather than re-encode the whole (possibly long) prompt.
+            request.body = body[:-1] + _INCLUDE_USAGE
+            return True
     options = request.payload.get("stream_options")
     if options is None:
         options = {}
@@ -199,6 +215,20 @@ def _prepare_stream(request: ProxyRequest) -> bool:
     except UnicodeEncodeError:  # a lone surrogate (valid as a JSON escape): keep it escaped
         request.body = json.dumps(payload).encode()
     return True
+
+
+def _as_utf8(body: bytes) -> bytes | None:
+    """The body in UTF-8, the encoding of the bytes spliced onto it; None when it cannot be.
+
+    ``json.loads`` accepted UTF-16 and UTF-32 too (RFC 8259 §8.1 lets a receiver); such a
+    body, rare, is decoded and re-encoded. UTF-8, with or without a BOM, is kept as is."""
+    encoding = json.detect_encoding(body)
+    if encoding.startswith("utf-8"):
+        return body
+    try:
+        return body.decode(encoding).encode()
+    except UnicodeError:  # a lone surrogate: the payload is re-serialised instead
+        return None
 
 
 async def _send(
@@ -265,6 +295,13 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
                 request.body,
                 flight,
             )
+        except GatewayOutOfResources as exc:
+            # The gateway's own shortage: not counted against the replica, nor retried
+            # (every other would need a descriptor as well).
+            _release(runtime, flight, lease, Outcome.IGNORE)
+            if last_error is not None:  # an earlier attempt did fail on a backend
+                runtime.recorder.finished(flight, replica, _status_of(last_error))
+            raise gateway_overloaded(replica, request.request_id, exc) from exc
         except httpx.HTTPError as exc:
             _release(runtime, flight, lease, Outcome.DROPPED)
             flight.attempt_failed()
@@ -318,6 +355,25 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
         )
     runtime.recorder.rejected(pool, "no_backend")
     raise Unavailable(f"no healthy backend serves model `{route.model}`")
+
+
+def gateway_overloaded(
+    replica: Replica, request_id: str, exc: GatewayOutOfResources
+) -> Unavailable:
+    """The 503 for a call the gateway could not make for want of its own resources, logged
+    as what it is: the operator's fix is the gateway's limits, not the backend."""
+    log.warning(
+        "request %s: could not connect to backend %s: %s; the gateway's own limit "
+        "(open files: ulimit -n, or memory), not the backend's fault",
+        request_id,
+        replica.name,
+        exc,
+    )
+    return Unavailable(
+        f"the gateway is out of resources to reach a backend ({exc}); retry shortly",
+        code="gateway_overloaded",
+        headers={"retry-after": "1"},
+    )
 
 
 class _NoRoomToRetry(Exception):

@@ -21,11 +21,14 @@ from gateway.errors import (
 )
 from gateway.front import PROXIED_PATHS, ProxiedEndpoint, bearer, client_priority, read_body
 from gateway.metrics import render
+from gateway.middleware import request_id_of
 from gateway.payload import load_json
-from gateway.placement import backend_auth, least_busy
+from gateway.placement import least_busy
+from gateway.proxy import gateway_overloaded, upstream_identity
 from gateway.routing import token_limit_of
 from gateway.runtime import Runtime
 from gateway.settings import Settings
+from gateway.upstream import GatewayOutOfResources
 
 
 def runtime_of(request: Request) -> Runtime:
@@ -68,13 +71,18 @@ async def tokenize(request: Request) -> Response:
     if not healthy:
         raise Unavailable(f"no healthy backend serves model `{model}`")
     replica = least_busy(healthy)
-    headers = {"content-type": "application/json", **backend_auth(replica)}
+    request_id = request_id_of(request.scope)  # the middleware's, when the client sent one
+    forward_key = runtime.current.settings.auth.forward_client_key
+    identity = upstream_identity(request.scope["headers"], request_id, replica, forward_key)
+    headers = [(b"content-type", b"application/json"), *identity]
     # The live config's timeouts, as for proxied requests: the client's own are startup's.
     timeout = httpx.Timeout(**runtime.current.upstream_timeouts)
     try:
         answer = await runtime.client.post(
             replica.url + "/tokenize", content=body, headers=headers, timeout=timeout
         )
+    except GatewayOutOfResources as exc:
+        raise gateway_overloaded(replica, request_id, exc) from exc
     except httpx.HTTPError as exc:
         raise UpstreamError(f"backend {replica.name} failed: {type(exc).__name__}: {exc}") from exc
     return Response(

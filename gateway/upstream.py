@@ -16,6 +16,7 @@ them to the client in one go; nothing waits to be merged.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +27,28 @@ import httpx
 
 _Origin = tuple[str, int]
 _HIGH_WATER = 256 * 1024  # buffered body bytes before the socket stops being read
+# What ``socket()``/``connect()`` fail with when the gateway's own process or host has run
+# out: descriptors (``ulimit -n``, the system's table), socket buffers, kernel memory.
+_LOCAL_SHORTAGES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+class GatewayOutOfResources(httpx.ConnectError):
+    """The gateway could not connect for want of its own resources (file descriptors,
+    socket buffers, memory): no fault of the backend, which any other would share.
+
+    An ``httpx.ConnectError`` still, so a caller that knows no better (a metrics scrape)
+    takes it as the failed call it is; the proxy and the health probe tell it apart."""
+
+
+def _local_shortage(exc: BaseException) -> OSError | None:
+    """The ``OSError`` of a local shortage behind ``exc`` (httpx's own transport chains the
+    original under its ``ConnectError``), if any."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _LOCAL_SHORTAGES:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class _Connection(asyncio.Protocol):
@@ -320,7 +343,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         if url.scheme != "http":
-            return await self._tls.handle_async_request(request)
+            return await self._via_tls(request)
         try:
             body = request.content  # built with content=bytes: already read
         except httpx.RequestNotRead:
@@ -358,7 +381,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             request = httpx.Request(
                 "POST", url, content=body, headers=_parse_fields(fields), extensions=extensions
             )
-            response = await self._tls.handle_async_request(request)
+            response = await self._via_tls(request)
             return UpstreamResponse(
                 response.status_code, response.headers.raw, _HttpxBody(response)
             )
@@ -378,6 +401,15 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         )
         conn = await self._exchange(origin, head, body, timeouts, on_wire)
         return UpstreamResponse(conn.status, conn.headers, _Body(self, conn, timeouts.get("read")))
+
+    async def _via_tls(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self._tls.handle_async_request(request)
+        except httpx.ConnectError as exc:
+            shortage = _local_shortage(exc)
+            if shortage is None:
+                raise
+            raise GatewayOutOfResources(_describe(shortage)) from exc
 
     async def _exchange(
         self,
@@ -452,7 +484,8 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         except TimeoutError as exc:
             raise httpx.ConnectTimeout(f"connecting to {origin[0]}:{origin[1]} timed out") from exc
         except OSError as exc:
-            raise httpx.ConnectError(f"[Errno {exc.errno}] {exc.strerror}") from exc
+            local = exc.errno in _LOCAL_SHORTAGES
+            raise (GatewayOutOfResources if local else httpx.ConnectError)(_describe(exc)) from exc
         return conn
 
     async def _wait_for_room(self, pool_s: float | None) -> None:
@@ -537,6 +570,10 @@ def _target(url: str) -> tuple[_Origin, bytes, bytes] | None:
     port = parsed.port or 80
     host = parsed.raw_host + (b":%d" % parsed.port if parsed.port else b"")
     return (parsed.host, port), host, parsed.raw_path
+
+
+def _describe(exc: OSError) -> str:
+    return f"[Errno {exc.errno}] {exc.strerror}"
 
 
 def _parse_fields(fields: bytes) -> list[tuple[bytes, bytes]]:

@@ -1,0 +1,323 @@
+"""What the backend receives, and what the gateway blames, in four corners: a second
+``Connection`` line, the gateway's own descriptors running out, a UTF-16/32 body that
+must be rewritten, and ``/tokenize``'s key and request id. End to end through an echo
+backend, which answers with the request it got."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.proxy import ProxyRequest, _prepare_stream
+from gateway.upstream import UpstreamTransport
+from tests.procs import Proc, free_port, start_gateway, start_process, wait_until
+
+MODEL = "echo"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def start_echo(tmp: Path) -> Proc:
+    port = free_port()
+    return start_process(
+        ["--port", str(port)],
+        f"http://127.0.0.1:{port}",
+        "/health",
+        tmp / f"echo-{port}.log",
+        module="tests.echo_backend",
+    )
+
+
+@pytest.fixture
+def echo(tmp_path: Path) -> Iterator[Proc]:
+    proc = start_echo(tmp_path)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def echo_backend(url: str, name: str = "echo", model: str = MODEL) -> dict[str, object]:
+    return {"name": name, "url": url, "pool": "short", "models": [model]}
+
+
+def header_names(echoed: dict) -> list[str]:
+    return [name.lower() for name, _ in echoed["headers"]]
+
+
+def header_values(echoed: dict, name: str) -> list[str]:
+    return [value for n, value in echoed["headers"] if n.lower() == name]
+
+
+def chat(**extra: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hé 😀"}], **extra}
+
+
+# -- 1. every Connection line names hop-by-hop headers --------------------------------
+
+
+def raw_exchange(url: str, request: bytes) -> bytes:
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_headers_named_in_a_second_connection_line_are_not_forwarded(
+    tmp_path: Path, echo: Proc
+) -> None:
+    gw = start_gateway(tmp_path, {"backends": [echo_backend(echo.url)]})
+    try:
+        body = json.dumps(chat()).encode()
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: keep-alive\r\nconnection: x-hop-one, X-Hop-Two\r\n"
+            b"connection: close\r\n"
+            b"x-hop-one: 1\r\nx-hop-two: 2\r\nx-end-to-end: kept\r\n\r\n%s"
+        ) % (len(body), body)
+        head, _, payload = raw_exchange(gw.url, request).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        names = header_names(json.loads(payload))
+        assert "x-hop-one" not in names
+        assert "x-hop-two" not in names
+        assert "x-end-to-end" in names  # only what a Connection line named is dropped
+    finally:
+        gw.proc.stop()
+
+
+# -- 2. the gateway's own descriptors running out are not the backend's failure --------
+
+_PROBE_WITHOUT_DESCRIPTORS = textwrap.dedent(
+    """
+    import asyncio, json, os, resource, sys
+    import httpx
+    from backends.health import probe_all
+    from backends.pool import BackendSet
+    from backends.replica import Replica
+    from gateway.settings import BackendConfig, HealthConfig
+    from gateway.upstream import UpstreamTransport
+
+    async def main(url):
+        transport = UpstreamTransport(max_connections=4)
+        client = httpx.AsyncClient(transport=transport)
+        replica = Replica(config=BackendConfig(name="echo", url=url, models=("echo",)), url=url)
+        replica.healthy = replica.probed = True
+        # Once with nothing to probe, for its lazy imports: they open files too.
+        await probe_all(client, BackendSet.of([]), HealthConfig(), lambda r: None)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        lowest_free = os.dup(0)
+        os.close(lowest_free)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # none left
+        try:
+            try:
+                await transport.post(url + "/v1/completions", b"", b"{}", {})
+                post = "answered"
+            except Exception as exc:
+                post = type(exc).__name__
+            await probe_all(client, BackendSet.of([replica]), HealthConfig(), lambda r: None)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        print(json.dumps({"post": post, "healthy": replica.healthy}))
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+def test_out_of_descriptors_is_the_gateways_error_and_no_probe_verdict(echo: Proc) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE_WITHOUT_DESCRIPTORS, echo.url],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["post"] == "GatewayOutOfResources"  # an httpx.ConnectError still
+    assert result["healthy"] is True  # the probe could not ask: no verdict, no DOWN
+    assert "the gateway's own limit" in done.stderr
+
+
+class _RefusingTls(httpx.AsyncBaseTransport):
+    """httpx's own transport failing to connect, its ``OSError`` chained underneath."""
+
+    def __init__(self, errno_: int) -> None:
+        self.errno = errno_
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            raise OSError(self.errno, os.strerror(self.errno))
+        except OSError as exc:
+            raise httpx.ConnectError(str(exc)) from exc
+
+
+@pytest.mark.anyio
+async def test_https_upstreams_tell_the_gateways_shortage_from_the_backends_refusal() -> None:
+    for code, local in ((errno.EMFILE, True), (errno.ENOBUFS, True), (errno.ECONNREFUSED, False)):
+        transport = UpstreamTransport(max_connections=1, tls=_RefusingTls(code))
+        with pytest.raises(httpx.ConnectError) as caught:
+            await transport.post("https://backend.invalid/v1/completions", b"", b"{}", {})
+        # By name: the class is the fix (before it, every refusal was a ConnectError).
+        assert (type(caught.value).__name__ == "GatewayOutOfResources") is local, code
+
+
+def _open_descriptors(pid: int) -> set[int]:
+    return {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+
+
+def test_a_request_the_gateway_has_no_descriptor_for_is_a_503_not_a_backend_failure(
+    tmp_path: Path,
+) -> None:
+    warm, cold = start_echo(tmp_path), start_echo(tmp_path)
+    config = {
+        "backends": [echo_backend(warm.url, "warm", "warm"), echo_backend(cold.url, "cold")],
+        "health": {"failure_threshold": 1},  # one failure counted would eject it
+        "upstream": {"max_attempts": 2},
+    }
+    gw = start_gateway(tmp_path, config)
+    pid = gw.proc.pid
+    client = httpx.Client(base_url=gw.url, timeout=10)  # one keep-alive connection
+    try:
+        # The whole proxy path runs once (its lazy imports need descriptors too), on a
+        # backend of its own: the one under test has no connection yet to reuse.
+        warmup = client.post("/v1/chat/completions", json=chat(model="warm"))
+        assert warmup.status_code == 200
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        used = _open_descriptors(pid)
+        lowest_free = min(fd for fd in range(len(used) + 1) if fd not in used)
+        # The client's connection is open already; the upstream one finds no descriptor.
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, hard))
+        try:
+            response = client.post("/v1/chat/completions", json=chat())
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "gateway_overloaded"
+        assert "Too many open files" in error["message"]
+        assert response.headers["retry-after"] == "1"
+        cold_state = next(b for b in gw.state()["backends"] if b["name"] == "cold")
+        assert cold_state["healthy"] is True
+        assert client.post("/v1/chat/completions", json=chat()).is_success
+        wait_until(lambda: "the gateway's own limit" in gw.proc.output(), timeout=5)
+        assert "is DOWN" not in gw.proc.output()
+    finally:
+        client.close()
+        gw.proc.stop()
+        warm.stop()
+        cold.stop()
+
+
+# -- 3. a UTF-16/UTF-32 body that must be rewritten is rewritten in UTF-8 ---------------
+
+
+def test_a_streamed_body_in_utf16_or_utf32_reaches_the_backend_in_utf8(
+    tmp_path: Path, echo: Proc
+) -> None:
+    gw = start_gateway(tmp_path, {"backends": [echo_backend(echo.url)]})
+    try:
+        for encoding in ("utf-16-be", "utf-16-le", "utf-32-be", "utf-32-le"):
+            sent = chat(stream=True, max_tokens=3)
+            response = httpx.post(
+                gw.url + "/v1/chat/completions",
+                content=json.dumps(sent, ensure_ascii=False).encode(encoding),
+                headers={"content-type": "application/json"},
+                timeout=10,
+            )
+            assert response.status_code == 200, (encoding, response.text)
+            echoed = response.json()
+            received = json.loads(echoed["body"])  # the echo decodes it as UTF-8
+            assert received == {**sent, "stream_options": {"include_usage": True}}, encoding
+            length = int(header_values(echoed, "content-length")[0])
+            assert length == len(echoed["body"].encode()), encoding
+    finally:
+        gw.proc.stop()
+
+
+def _streamed(body: bytes) -> ProxyRequest:
+    return ProxyRequest(
+        endpoint="/v1/chat/completions",
+        payload=json.loads(body),
+        body=body,
+        headers={},
+        raw_headers=[],
+        request_id="r",
+        started=0.0,
+    )
+
+
+def test_a_utf8_body_keeps_its_bytes_and_gets_the_key_spliced_on() -> None:
+    body = b'{"model": "m",  "messages": [], "stream": true}  \n'
+    request = _streamed(body)
+    assert _prepare_stream(request)
+    assert request.body == body.rstrip()[:-1] + b',"stream_options":{"include_usage":true}}'
+
+
+def test_a_utf16_body_with_a_lone_surrogate_is_reserialised_escaped() -> None:
+    text = '{"model": "m", "prompt": "\ud800", "stream": true}'  # a raw lone surrogate
+    request = _streamed(text.encode("utf-16-be", "surrogatepass"))
+    assert _prepare_stream(request)
+    assert b"\\ud800" in request.body
+    assert json.loads(request.body) == {
+        "model": "m",
+        "prompt": "\ud800",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+# -- 4. /tokenize carries the client's key and request id, as the proxied paths do ------
+
+
+def test_tokenize_forwards_the_client_key_and_request_id(tmp_path: Path, echo: Proc) -> None:
+    config = {
+        "backends": [echo_backend(echo.url)],
+        "auth": {"api_keys": ["sk-client"], "forward_client_key": True},
+    }
+    gw = start_gateway(tmp_path, config)
+    try:
+        headers = {"authorization": "Bearer sk-client", "x-request-id": "rid-7"}
+        response = httpx.post(
+            gw.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}, headers=headers
+        )
+        assert response.status_code == 200, response.text
+        echoed = response.json()
+        assert echoed["request_line"].startswith("POST /tokenize ")
+        assert header_values(echoed, "authorization") == ["Bearer sk-client"]
+        assert header_values(echoed, "x-request-id") == ["rid-7"]
+        assert response.headers["x-request-id"] == "rid-7"
+    finally:
+        gw.proc.stop()
+
+
+def test_tokenize_sends_the_backends_own_key_over_the_clients(tmp_path: Path, echo: Proc) -> None:
+    config = {
+        "backends": [{**echo_backend(echo.url), "api_key": "sk-backend"}],
+        "auth": {"api_keys": ["sk-client"], "forward_client_key": True},
+    }
+    gw = start_gateway(tmp_path, config)
+    try:
+        response = httpx.post(
+            gw.url + "/tokenize",
+            json={"model": MODEL, "prompt": "hi"},
+            headers={"authorization": "Bearer sk-client"},
+        )
+        assert response.status_code == 200, response.text
+        assert header_values(response.json(), "authorization") == ["Bearer sk-backend"]
+    finally:
+        gw.proc.stop()
