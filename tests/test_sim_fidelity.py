@@ -109,22 +109,28 @@ def test_a_chat_without_max_tokens_is_capped_too(sim: Proc) -> None:
         (
             {"prompt": "hi", "max_tokens": CONTEXT + 1},
             f"max_tokens={CONTEXT + 1} cannot be greater than max_model_len={CONTEXT}. "
-            "Please request fewer output tokens.",
+            f"Please request fewer output tokens. (parameter=max_tokens, value={CONTEXT + 1})",
             "max_tokens",
         ),
         (
             {"prompt": [7] * (CONTEXT + 1), "max_tokens": 1},
+            # "at least": vLLM's tokenizer stops one token past the context
             f"This model's maximum context length is {CONTEXT} tokens. However, your prompt "
-            f"contains {CONTEXT + 1} input tokens, which exceeds this limit even without any "
-            "output tokens. Please reduce the length of the input prompt.",
+            f"contains at least {CONTEXT + 1} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt. "
+            f"(parameter=input_tokens, value={CONTEXT + 1})",
             "input_tokens",
         ),
         (  # a prompt that fills the context leaves 0 tokens: SamplingParams refuses 0
             {"prompt": [7] * CONTEXT, "max_tokens": 10},
-            "max_tokens must be at least 1, got 0.",
+            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
             "max_tokens",
         ),
-        ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be at least 1, got 0.", "max_tokens"),
+        (
+            {"prompt": "hi", "max_tokens": 0},
+            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+            "max_tokens",
+        ),
     ],
     ids=["max-tokens-over-context", "prompt-over-context", "prompt-fills-context", "zero"],
 )
@@ -255,14 +261,15 @@ def test_max_tokens_is_a_lax_integer(sim: Proc, value: Any) -> None:
 
 @pytest.mark.parametrize("value", [3.5, "three", [3]])
 def test_max_tokens_that_is_no_integer_is_refused(sim: Proc, value: Any) -> None:
-    assert error_of(post(sim, chat(max_tokens=value), "/v1/chat/completions"))[1] == "max_tokens"
+    refused = post(sim, chat(max_tokens=value), "/v1/chat/completions")
+    assert error_of(refused)[1] == "body.max_tokens"  # pydantic's location, as vLLM names it
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_stream_options_without_stream_is_refused(sim: Proc, path: str) -> None:
     body = {**chat(max_tokens=2), "prompt": "hi", "stream_options": {"include_usage": True}}
     assert error_of(post(sim, body, path)) == (
-        "Stream options can only be defined when `stream=True`.",
+        "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
         "stream_options",
     )
 
@@ -275,7 +282,7 @@ def test_n_zero_is_refused_with_vllms_words(sim: Proc) -> None:
 
 def test_an_empty_prompt_is_refused_with_vllms_words(sim: Proc) -> None:
     assert error_of(post(sim, {"prompt": "", "max_tokens": 2})) == (
-        "Either prompt or prompt_embeds must be provided and non-empty.",
+        "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
         "prompt",
     )
 

@@ -93,7 +93,7 @@ class _Completions:
         try:
             asked = validate.read(payload, chat, self._engine.max_model_len)
         except validate.BadRequest as bad:
-            return _error(bad.message, 400, param=bad.param)
+            return _error(bad.message, 400, bad.error_type, bad.param)
         ident = wire.Identity.for_request("chatcmpl" if chat else "cmpl", payload)
         seed = payload["seed"] if isinstance(payload.get("seed"), int) else next(self._unseeded)
         gen = GenerationRequest(
