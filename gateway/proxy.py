@@ -295,9 +295,10 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
                 request.body,
                 flight,
             )
-        except GatewayOutOfResources as exc:
-            # The gateway's own shortage: not counted against the replica, nor retried
-            # (every other would need a descriptor as well).
+        except (GatewayOutOfResources, httpx.PoolTimeout) as exc:
+            # The gateway's own shortage (descriptors, memory, or every connection of
+            # upstream.max_connections in use): not counted against the replica, nor
+            # retried (every other would need the same).
             _release(runtime, flight, lease, Outcome.IGNORE)
             if last_error is not None:  # an earlier attempt did fail on a backend
                 runtime.recorder.finished(flight, replica, _status_of(last_error))
@@ -358,16 +359,22 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
 
 
 def gateway_overloaded(
-    replica: Replica, request_id: str, exc: GatewayOutOfResources
+    replica: Replica, request_id: str, exc: GatewayOutOfResources | httpx.PoolTimeout
 ) -> Unavailable:
     """The 503 for a call the gateway could not make for want of its own resources, logged
     as what it is: the operator's fix is the gateway's limits, not the backend."""
+    limit = (
+        "upstream.max_connections"
+        if isinstance(exc, httpx.PoolTimeout)
+        else "open files: ulimit -n, or memory"
+    )
     log.warning(
-        "request %s: could not connect to backend %s: %s; the gateway's own limit "
-        "(open files: ulimit -n, or memory), not the backend's fault",
+        "request %s: could not connect to backend %s: %s; the gateway's own limit (%s), "
+        "not the backend's fault",
         request_id,
         replica.name,
         exc,
+        limit,
     )
     return Unavailable(
         f"the gateway is out of resources to reach a backend ({exc}); retry shortly",

@@ -494,8 +494,16 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         try:
             async with asyncio.timeout(pool_s):
                 await waiter
-        except TimeoutError as exc:
-            raise httpx.PoolTimeout("no upstream connection free within the pool timeout") from exc
+        except BaseException as exc:
+            # Woken, then cancelled before it ran (its client left, or its timeout fell due
+            # in the same turn): the room it was given goes on to the next waiter, which
+            # would otherwise wait for a free slot until its own pool timeout.
+            if waiter.done() and not waiter.cancelled():
+                self._wake_one()
+            if isinstance(exc, TimeoutError):
+                message = "no upstream connection free within the pool timeout"
+                raise httpx.PoolTimeout(message) from exc
+            raise
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,8 @@ import pytest
 
 from gateway.proxy import ProxyRequest, _prepare_stream
 from gateway.upstream import UpstreamTransport
-from tests.procs import Proc, free_port, start_gateway, start_process, wait_until
+from tests.procs import Proc, backend, free_port, start_gateway, start_process, wait_until
+from tests.test_ops_robustness import counts, start_ops_backend
 
 MODEL = "echo"
 REPO = Path(__file__).resolve().parent.parent
@@ -321,3 +323,37 @@ def test_tokenize_sends_the_backends_own_key_over_the_clients(tmp_path: Path, ec
         assert header_values(response.json(), "authorization") == ["Bearer sk-backend"]
     finally:
         gw.proc.stop()
+
+
+def test_a_full_upstream_pool_is_the_gateways_shortage_not_the_backends(tmp_path: Path) -> None:
+    """/tokenize shares the traffic's connection pool: with it holding the one connection,
+    an admitted request found none within the pool timeout, was answered 504 and counted
+    against a healthy backend (ejected here, at a threshold of 1)."""
+    ops = start_ops_backend(tmp_path, post_delay_s=3.0)
+    try:
+        config = {
+            "backends": [backend("ops", ops.url, limit={"kind": "static", "initial": 1, "max": 1})],
+            "upstream": {"max_connections": 1, "connect_timeout_s": 0.5, "max_attempts": 1},
+            "health": {"interval_s": 60, "failure_threshold": 1},
+        }
+        gw = start_gateway(tmp_path, config)
+        try:
+            with httpx.Client(timeout=10) as holder, httpx.Client(timeout=10) as client:
+                body = {"model": "Qwen/Qwen3-4B", "prompt": "x"}
+                held = threading.Thread(
+                    target=holder.post, args=(gw.url + "/tokenize",), kwargs={"json": body}
+                )
+                held.start()
+                wait_until(lambda: counts(ops)["posts"] == 1)  # it holds the one connection
+                answer = client.post(gw.url + "/v1/completions", json={**body, "max_tokens": 1})
+                held.join()
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "gateway_overloaded"
+            assert answer.headers["retry-after"] == "1"
+            (state,) = gw.state()["backends"]
+            assert state["healthy"] is True  # not ejected for the gateway's own limit
+            assert "upstream.max_connections" in gw.proc.output()
+        finally:
+            gw.proc.stop()
+    finally:
+        ops.stop()

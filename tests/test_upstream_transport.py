@@ -473,3 +473,31 @@ async def test_a_shorter_read_timeout_on_a_reused_connection_is_kept() -> None:
         assert loop.time() - started < 2.0
         assert _AnswersOnceThenStalls.connections == 1  # the same connection, reused
         await transport.aclose()
+
+
+async def test_room_given_to_a_waiter_that_left_goes_to_the_next(backend: str) -> None:
+    """A waiter woken for a free slot and cancelled before it ran (its client left) used
+    to keep the wake-up: the next waiter sat until its pool timeout with the slot free."""
+    transport = UpstreamTransport(max_connections=1)
+    url = backend + "/v1/chat/completions"
+    body = json.dumps(_chat(max_tokens=2)).encode()
+    fields = b"content-type: application/json\r\n"
+    timeouts = {"connect": 5.0, "read": 10.0, "write": 10.0, "pool": 10.0}
+    holder = await transport.post(url, fields, body, timeouts)
+    async for _ in holder.aiter_raw():
+        pass
+    leaving = asyncio.create_task(transport.post(url, fields, body, timeouts))
+    next_in_line = asyncio.create_task(transport.post(url, fields, body, timeouts))
+    await eventually(lambda: len(transport._waiters) == 2, "both wait for the one slot")
+    holder.close_nowait()  # the slot is free: the first waiter is woken...
+    leaving.cancel()  # ...and its client leaves before it runs
+    started = asyncio.get_running_loop().time()
+    reply = await next_in_line
+    async for _ in reply.aiter_raw():
+        pass
+    reply.close_nowait()
+    assert reply.status_code == 200
+    assert asyncio.get_running_loop().time() - started < 5.0  # not at the 10 s pool timeout
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    await transport.aclose()
