@@ -24,7 +24,10 @@ from gateway.upstream import GatewayOutOfResources
 log = logging.getLogger("kneecap.health")
 
 
-async def probe(client: httpx.AsyncClient, replica: Replica, config: HealthConfig) -> bool:
+async def probe(client: httpx.AsyncClient, replica: Replica, config: HealthConfig) -> str | None:
+    """None when the backend is healthy, else why not, for the log: an operator must see
+    why a backend never came up (a URL ending in ``/v1`` answers 404), not only when one
+    goes down."""
     headers = {}
     key = replica.config.resolved_api_key()
     if key:
@@ -34,7 +37,7 @@ async def probe(client: httpx.AsyncClient, replica: Replica, config: HealthConfi
             replica.url + config.path, headers=headers, timeout=config.timeout_s
         )
         if response.status_code != 200:
-            return False
+            return f"GET {replica.url + config.path} answered {response.status_code}"
         if not replica.config.models:
             models = await client.get(
                 replica.url + "/v1/models", headers=headers, timeout=config.timeout_s
@@ -43,8 +46,8 @@ async def probe(client: httpx.AsyncClient, replica: Replica, config: HealthConfi
             replica.learn_models(models.json())
     except GatewayOutOfResources:
         raise  # no verdict on the backend: see probe_all
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        return False
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
     # Best effort, and on every probe: an engine redeployed at the same address with
     # another --max-model-len is followed (learnt once, a grown context stayed refused).
     if replica.config.models and replica.config.max_model_len is None:
@@ -54,7 +57,7 @@ async def probe(client: httpx.AsyncClient, replica: Replica, config: HealthConfi
             )
             if models.status_code == 200:
                 replica.learn_models(models.json())
-    return True
+    return None
 
 
 async def probe_all(
@@ -65,7 +68,7 @@ async def probe_all(
 ) -> None:
     async def one(replica: Replica) -> None:
         try:
-            ok = await probe(client, replica, config)
+            failure = await probe(client, replica, config)
         except GatewayOutOfResources as exc:
             # The gateway could not even ask: the backend keeps its last verdict (none
             # yet, for a new one), rather than go DOWN for the gateway's own limit.
@@ -78,12 +81,13 @@ async def probe_all(
             return
         except Exception:  # whatever one backend answers must not stop the others' probes
             log.exception("probing backend %s failed", replica.name)
-            ok = False
-        if ok != replica.healthy:
-            (log.info if ok else log.warning)(
-                "backend %s is %s", replica.name, "up" if ok else "DOWN"
-            )
+            failure = "the probe failed"
+        ok = failure is None
         was, first = replica.healthy, not replica.probed
+        if ok and not was:
+            log.info("backend %s is up", replica.name)
+        elif not ok and (was or first):
+            log.warning("backend %s is DOWN: %s", replica.name, failure)
         replica.healthy = ok
         replica.probed = True
         if ok:

@@ -197,3 +197,17 @@ def test_yes_or_no_where_a_number_is_due_is_refused(config: dict[str, Any], key:
 
 def test_yes_or_no_stays_fine_where_it_is_due() -> None:
     assert build_settings({"routing": {"spill": {"to_shorter": True}}}).routing.spill.to_shorter
+
+
+def test_a_backend_that_never_comes_up_is_logged_with_the_reason(tmp_path: Path) -> None:
+    """An OpenAI base URL (`.../v1`) pasted as a backend's url: every request got 503 and
+    the log said nothing, since "DOWN" was logged only for a backend that had been up."""
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    try:
+        gw = start_gateway(tmp_path, {"backends": [backend("a", sim.url + "/v1")]})
+        try:
+            assert f"backend a is DOWN: GET {sim.url}/v1/health answered 404" in gw.proc.output()
+        finally:
+            gw.proc.stop()
+    finally:
+        sim.stop()
