@@ -1,0 +1,258 @@
+"""Step 2 of vLLM's checks (see :mod:`.validate`): pydantic in lax mode reading each field
+of the request model, every error it cannot read reported as FastAPI's
+``RequestValidationError`` (type ``Bad Request``, ``param`` the first error's location).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from backends.lax import lax_bool, lax_int
+from backends.sim.refusal import BadRequest, without_paths
+
+MAX_STOP_STRINGS = 4  # vLLM's VLLM_MAX_STOP_STRINGS default
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# pydantic's words for each error type it raises here.
+_PYDANTIC_SAYS = {
+    "missing": "Field required",
+    "int_type": "Input should be a valid integer",
+    "int_parsing": "Input should be a valid integer, unable to parse string as an integer",
+    "int_from_float": "Input should be a valid integer, got a number with a fractional part",
+    "finite_number": "Input should be a finite number",
+    "float_type": "Input should be a valid number",
+    "float_parsing": "Input should be a valid number, unable to parse string as a number",
+    "bool_type": "Input should be a valid boolean",
+    "bool_parsing": "Input should be a valid boolean, unable to interpret input",
+    "string_type": "Input should be a valid string",
+    "list_type": "Input should be a valid list",
+    "model_attributes_type": "Input should be a valid dictionary or object to extract fields from",
+    "greater_than_equal": "Input should be greater than or equal to {ge}",
+    "less_than_equal": "Input should be less than or equal to {le}",
+    "too_long": "List should have at most {max_length} items after validation, not {actual_length}",
+}
+# vLLM's bounds on an error message (serve/exception_handling/handlers/validation.py).
+_MAX_REPORTED_ERRORS = 10
+_MAX_ERROR_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class _Invalid:
+    """One error pydantic reports, located as vLLM cleans it (``body.stop.1``)."""
+
+    kind: str
+    loc: str
+    value: object
+    ctx: dict[str, Any] | None = None
+
+    def __str__(self) -> str:
+        said: dict[str, Any] = {
+            "type": self.kind,
+            "loc": self.loc,
+            "msg": _PYDANTIC_SAYS[self.kind].format(**(self.ctx or {})),
+            "input": _summary(self.value),
+        }
+        if self.ctx:
+            said["ctx"] = self.ctx
+        text = str(said)  # vLLM renders each error as the dict's repr
+        return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "...[truncated]"
+
+
+class Unreadable(Exception):
+    def __init__(self, *errors: _Invalid) -> None:
+        super().__init__(errors)
+        self.errors = errors
+
+
+def _summary(value: object) -> str:
+    """What vLLM echoes of an input it could not read: never a whole container."""
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    if len(text) > _MAX_ERROR_INPUT_CHARS:
+        return text[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
+    return text
+
+
+def _integer(value: object, loc: str) -> int:
+    number = lax_int(value)
+    if number is not None:
+        return number
+    if isinstance(value, str):
+        raise Unreadable(_Invalid("int_parsing", loc, value))
+    if isinstance(value, float):
+        kind = "int_from_float" if math.isfinite(value) else "finite_number"
+        raise Unreadable(_Invalid(kind, loc, value))
+    raise Unreadable(_Invalid("int_type", loc, value))
+
+
+def _number(value: object, loc: str) -> float:
+    if isinstance(value, bool | int | float):
+        try:
+            return float(value)
+        except OverflowError:  # an integer past any float
+            raise Unreadable(_Invalid("float_type", loc, value)) from None
+    if isinstance(value, str):
+        try:
+            return float(value)  # "nan" and "inf" too: vLLM refuses them later, by name
+        except ValueError:
+            raise Unreadable(_Invalid("float_parsing", loc, value)) from None
+    raise Unreadable(_Invalid("float_type", loc, value))
+
+
+def _flag(value: object, loc: str) -> bool:
+    flag = lax_bool(value)
+    if flag is not None and value is not None:
+        return flag
+    # A string or a whole number it cannot interpret; anything else is no boolean at all.
+    readable = isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+    raise Unreadable(_Invalid("bool_parsing" if readable else "bool_type", loc, value))
+
+
+def _seed(value: object, loc: str) -> int:
+    seed = _integer(value, loc)
+    if seed < _INT64_MIN:
+        raise Unreadable(_Invalid("greater_than_equal", loc, value, {"ge": _INT64_MIN}))
+    if seed > _INT64_MAX:
+        raise Unreadable(_Invalid("less_than_equal", loc, value, {"le": _INT64_MAX}))
+    return seed
+
+
+def _stop(value: object, loc: str) -> list[str]:
+    """``str | list[str] (at most MAX_STOP_STRINGS) | None``: pydantic reports why each
+    branch of the union refused it."""
+    if isinstance(value, str):
+        return [value]
+    not_a_string = _Invalid("string_type", loc, value)
+    if not isinstance(value, list):
+        raise Unreadable(not_a_string, _Invalid("list_type", loc, value))
+    items = [
+        _Invalid("string_type", f"{loc}.{i}", item)
+        for i, item in enumerate(value)
+        if not isinstance(item, str)
+    ]
+    if items:
+        raise Unreadable(not_a_string, *items)
+    if len(value) > MAX_STOP_STRINGS:
+        ctx = {"field_type": "List", "max_length": MAX_STOP_STRINGS, "actual_length": len(value)}
+        raise Unreadable(not_a_string, _Invalid("too_long", loc, value, ctx))
+    return value
+
+
+def _stream_options(value: object, loc: str) -> dict[str, bool | None]:
+    if not isinstance(value, dict):
+        raise Unreadable(_Invalid("model_attributes_type", loc, value))
+    return read_fields(value, _STREAM_OPTIONS_FIELDS)
+
+
+def _messages(value: object, loc: str) -> list[Any]:
+    # Each message is counted, and refused if it cannot be, with the prompt (step 3).
+    if not isinstance(value, list):
+        raise Unreadable(_Invalid("list_type", loc, value))
+    return value
+
+
+def _prompt(value: object, loc: str) -> Any:
+    """A lone value that is neither a string nor a list; the branches of the union that
+    refuse it, in their order. A list is read when its prompts are counted (step 3)."""
+    if isinstance(value, str | list):
+        return value
+    branches = ("list_type", "list_type", "string_type", "list_type")
+    raise Unreadable(*(_Invalid(kind, loc, value) for kind in branches))
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """One field of vLLM's request model: how pydantic reads it, and whether ``null``
+    is a value (an absent field keeps its default unread)."""
+
+    name: str
+    reader: Callable[[object, str], Any]
+    nullable: bool = True
+    required: bool = False
+    prefix: str = "body"
+
+
+# Each endpoint's fields the simulator reads, in vLLM's declaration order: pydantic
+# reports its errors in that order, and ``param`` is the first.
+CHAT_FIELDS = (
+    _Field("messages", _messages, nullable=False, required=True),
+    _Field("frequency_penalty", _number),
+    _Field("logprobs", _flag),
+    _Field("top_logprobs", _integer),
+    _Field("max_tokens", _integer),
+    _Field("max_completion_tokens", _integer),
+    _Field("n", _integer),
+    _Field("presence_penalty", _number),
+    _Field("seed", _seed),
+    _Field("stop", _stop),
+    _Field("stream", _flag),
+    _Field("stream_options", _stream_options),
+    _Field("temperature", _number),
+    _Field("top_p", _number),
+    _Field("top_k", _integer),
+    _Field("min_p", _number),
+    _Field("repetition_penalty", _number),
+    _Field("ignore_eos", _flag, nullable=False),
+    _Field("min_tokens", _integer, nullable=False),
+    _Field("prompt_logprobs", _integer),
+)
+_STREAM_OPTIONS_FIELDS = (
+    _Field("include_usage", _flag, prefix="body.stream_options"),
+    _Field("continuous_usage_stats", _flag, prefix="body.stream_options"),
+)
+COMPLETION_FIELDS = (
+    _Field("prompt", _prompt),
+    _Field("echo", _flag),
+    _Field("frequency_penalty", _number),
+    _Field("logprobs", _integer),
+    _Field("max_tokens", _integer),
+    _Field("n", _integer, nullable=False),
+    _Field("presence_penalty", _number),
+    _Field("seed", _seed),
+    _Field("stop", _stop),
+    _Field("stream", _flag),
+    _Field("stream_options", _stream_options),
+    _Field("temperature", _number),
+    _Field("top_p", _number),
+    _Field("top_k", _integer),
+    _Field("min_p", _number),
+    _Field("repetition_penalty", _number),
+    _Field("ignore_eos", _flag, nullable=False),
+    _Field("min_tokens", _integer, nullable=False),
+    _Field("prompt_logprobs", _integer),
+)
+
+
+def read_fields(payload: dict[str, Any], fields: tuple[_Field, ...]) -> dict[str, Any]:
+    """Every field read (None: left out or null), or every error of those that cannot be."""
+    read: dict[str, Any] = {}
+    errors: list[_Invalid] = []
+    for field in fields:
+        value = payload.get(field.name)
+        if value is None and (field.nullable or field.name not in payload):
+            if field.required:
+                errors.append(_Invalid("missing", f"{field.prefix}.{field.name}", payload))
+            read[field.name] = None
+            continue
+        try:
+            read[field.name] = field.reader(value, f"{field.prefix}.{field.name}")
+        except Unreadable as unreadable:
+            errors.extend(unreadable.errors)
+    if errors:
+        raise Unreadable(*errors)
+    return read
+
+
+def validation_error(errors: tuple[_Invalid, ...]) -> BadRequest:
+    """vLLM's answer to a ``RequestValidationError``."""
+    label = "error" if len(errors) == 1 else "errors"
+    lines = [f"{len(errors)} validation {label}:"]
+    lines += [f"  {error}" for error in errors[:_MAX_REPORTED_ERRORS]]
+    if len(errors) > _MAX_REPORTED_ERRORS:
+        lines.append(f"  ...and {len(errors) - _MAX_REPORTED_ERRORS} more {label}")
+    return BadRequest(without_paths("\n".join(lines)), errors[0].loc, "Bad Request")
