@@ -7,6 +7,8 @@ from collections.abc import Awaitable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+REQUEST_ID_SCOPE_KEY = "kneecap.request_id"
+
 
 def new_request_id() -> str:
     # Random, like vLLM's and OpenAI's: the ids reach clients (and vLLM builds its
@@ -59,4 +61,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, StampedSend(send, request_id_of(scope)))
+        request_id = request_id_of(scope)
+        # Calls the handler makes for the request (/tokenize) carry the id its client gets.
+        scope[REQUEST_ID_SCOPE_KEY] = request_id  # type: ignore[typeddict-unknown-key]
+        await self.app(scope, receive, StampedSend(send, request_id))

@@ -21,7 +21,7 @@ from gateway.errors import (
 )
 from gateway.front import PROXIED_PATHS, ProxiedEndpoint, bearer, client_priority, read_body
 from gateway.metrics import render
-from gateway.middleware import request_id_of
+from gateway.middleware import REQUEST_ID_SCOPE_KEY
 from gateway.payload import load_json
 from gateway.placement import least_busy
 from gateway.proxy import gateway_overloaded, upstream_identity
@@ -71,7 +71,7 @@ async def tokenize(request: Request) -> Response:
     if not healthy:
         raise Unavailable(f"no healthy backend serves model `{model}`")
     replica = least_busy(healthy)
-    request_id = request_id_of(request.scope)  # the middleware's, when the client sent one
+    request_id = request.scope[REQUEST_ID_SCOPE_KEY]  # the one its response carries
     forward_key = runtime.current.settings.auth.forward_client_key
     identity = upstream_identity(request.scope["headers"], request_id, replica, forward_key)
     headers = [(b"content-type", b"application/json"), *identity]

@@ -303,6 +303,13 @@ def test_tokenize_forwards_the_client_key_and_request_id(tmp_path: Path, echo: P
         assert header_values(echoed, "authorization") == ["Bearer sk-client"]
         assert header_values(echoed, "x-request-id") == ["rid-7"]
         assert response.headers["x-request-id"] == "rid-7"
+        # Without one, the id the gateway makes is the one the backend and the client see.
+        del headers["x-request-id"]
+        response = httpx.post(
+            gw.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}, headers=headers
+        )
+        made = response.headers["x-request-id"]
+        assert header_values(response.json(), "x-request-id") == [made]
     finally:
         gw.proc.stop()
 
