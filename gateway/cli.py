@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _warn_of_likely_slips(settings: Settings) -> None:
     for name in ignored_environment(settings):
         print(f"kneecap: warning: {name} names no setting; ignored", file=sys.stderr)
-    for warning in settings.shared_engines():
+    for warning in settings.warnings():
         print(f"kneecap: warning: {warning}", file=sys.stderr)
 
 

@@ -315,7 +315,7 @@ class Runtime:
         self.on_reload()
         names = ", ".join(r.name for r in self.current.backends.replicas)
         message = f"config applied: {len(self.current.backends.replicas)} backends ({names})"
-        for warning in settings.shared_engines():
+        for warning in settings.warnings():
             log.warning("config reload: %s", warning)
         unapplied = _needing_a_restart(self._at_startup or settings, settings)
         if unapplied:

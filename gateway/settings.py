@@ -438,6 +438,28 @@ class Settings(BaseSettings):
             if len(names) > 1
         ]
 
+    def shadowed_pools(self) -> list[str]:
+        """Warnings for pools whose whole range an earlier pool holds: the home pool is the
+        first (config order) whose range holds the prompt and can serve it, so such a pool
+        is home only when the earlier one cannot (its backends down, or their context too
+        short), and otherwise serves only what spills to it."""
+        warnings = []
+        pools = list(self.pools.items())
+        for i, (name, pool) in enumerate(pools):
+            for earlier, cover in pools[:i]:
+                if _holds_range(cover, pool):
+                    warnings.append(
+                        f"pool {name!r} is no request's home while pool {earlier!r} can "
+                        "serve it: that pool, earlier in the config, holds its whole range "
+                        "of prompt lengths"
+                    )
+                    break
+        return warnings
+
+    def warnings(self) -> list[str]:
+        """What loads but is most likely not what was meant."""
+        return self.shared_engines() + self.shadowed_pools()
+
     def _connections_needed(self) -> int:
         return sum(self.limit_of(b).max for b in self.backends)
 
@@ -450,6 +472,12 @@ class Settings(BaseSettings):
 
     def limit_of(self, backend: BackendConfig) -> LimitConfig:
         return backend.limit if backend.limit is not None else self.admission.limit
+
+
+def _holds_range(cover: PoolConfig, pool: PoolConfig) -> bool:
+    upper, cover_upper = pool.max_prompt_tokens, cover.max_prompt_tokens
+    above = cover_upper is None or (upper is not None and upper <= cover_upper)
+    return cover.min_prompt_tokens <= pool.min_prompt_tokens and above
 
 
 def _same_engine(url: str) -> str:
