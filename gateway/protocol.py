@@ -254,7 +254,10 @@ class GatewayProtocol(HttpToolsProtocol):
         self.cycle.more_body = True  # its handler has not run yet: nothing read it
         self.cycle.message_event.clear()
         self.parser = httptools.HttpRequestParser(_AfterStandInHead(self))
-        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's
+        try:  # as uvicorn's own: httptools has it from 0.6.3, uvicorn >= 0.30 allows older
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        except AttributeError:
+            pass
         self.data_received(b"POST / HTTP/1.1\r\n" + framing + b"\r\n" + rest)
 
     def send_400_response(self, msg: str) -> None:

@@ -265,6 +265,7 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
     tried: set[str] = set()
     last_error: Exception | None = None
     last_replica: Replica | None = None
+    failed_on: Replica | None = None  # the backend of last_error
     reached: Replica | None = None  # the last backend the request was written to
     max_attempts = settings.upstream.max_attempts
     for attempt in range(max_attempts):
@@ -300,15 +301,17 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             # upstream.max_connections in use): not counted against the replica, nor
             # retried (every other would need the same).
             _release(runtime, flight, lease, Outcome.IGNORE)
-            if last_error is not None:  # an earlier attempt did fail on a backend
-                runtime.recorder.finished(flight, replica, _status_of(last_error))
+            if failed_on is not None and last_error is not None:  # an earlier attempt did
+                runtime.recorder.finished(flight, failed_on, _status_of(last_error))
+            else:
+                runtime.recorder.rejected(pool, "gateway_overloaded")
             raise gateway_overloaded(replica, request.request_id, exc) from exc
         except httpx.HTTPError as exc:
             _release(runtime, flight, lease, Outcome.DROPPED)
             flight.attempt_failed()
             reached = replica if flight.sent else reached
             replica.record_failure(settings.health.failure_threshold)
-            last_error = exc
+            last_error, failed_on = exc, replica
             continue
         except asyncio.CancelledError:  # the client left before the answer's head
             try:
@@ -329,6 +332,7 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             reached = replica
             replica.record_failure(settings.health.failure_threshold)
             last_error = UpstreamError(f"backend {replica.name} answered {upstream.status_code}")
+            failed_on = replica
             continue
         if upstream.status_code >= 500:  # relayed, as no other replica is left to try
             replica.record_failure(settings.health.failure_threshold)

@@ -29,6 +29,7 @@ RejectReason = Literal[
     "queue_timeout",  # waited longer than the pool's queue timeout
     "no_backend",  # no healthy backend serves this pool/model
     "shutting_down",  # the gateway is draining
+    "gateway_overloaded",  # the gateway had no descriptor, memory or connection to send it
 ]
 REJECT_REASONS: tuple[RejectReason, ...] = get_args(RejectReason)
 

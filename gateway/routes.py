@@ -81,7 +81,7 @@ async def tokenize(request: Request) -> Response:
         answer = await runtime.client.post(
             replica.url + "/tokenize", content=body, headers=headers, timeout=timeout
         )
-    except GatewayOutOfResources as exc:
+    except (GatewayOutOfResources, httpx.PoolTimeout) as exc:
         raise gateway_overloaded(replica, request_id, exc) from exc
     except httpx.HTTPError as exc:
         raise UpstreamError(f"backend {replica.name} failed: {type(exc).__name__}: {exc}") from exc

@@ -353,10 +353,18 @@ def test_a_full_upstream_pool_is_the_gateways_shortage_not_the_backends(tmp_path
                 held.start()
                 wait_until(lambda: counts(ops)["posts"] == 1)  # it holds the one connection
                 answer = client.post(gw.url + "/v1/completions", json={**body, "max_tokens": 1})
+                tokenized = client.post(gw.url + "/tokenize", json=body)  # shares the pool
                 held.join()
             assert answer.status_code == 503, answer.text
             assert answer.json()["error"]["code"] == "gateway_overloaded"
             assert answer.headers["retry-after"] == "1"
+            assert tokenized.status_code == 503, tokenized.text  # was 502 bad_gateway
+            assert tokenized.json()["error"]["code"] == "gateway_overloaded"
+            metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+            overloaded = (
+                'kneecap_rejected_requests_total{pool="short",reason="gateway_overloaded"} 1.0'
+            )
+            assert overloaded in metrics  # an operator sees them counted, not only logged
             (state,) = gw.state()["backends"]
             assert state["healthy"] is True  # not ejected for the gateway's own limit
             assert "upstream.max_connections" in gw.proc.output()
