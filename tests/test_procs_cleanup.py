@@ -33,5 +33,6 @@ def test_a_backend_started_before_a_gateway_that_fails_to_start(tmp_path: Path) 
 
 
 def test_is_stopped_once_that_test_ends() -> None:
-    assert left_behind, "runs after the test above"
+    if not left_behind:  # selected alone (-k) or reordered: nothing to look at
+        pytest.skip("reads what the test above left behind")
     assert not any(_runs(pid) for pid in left_behind)
