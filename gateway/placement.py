@@ -20,7 +20,7 @@ and needs no context room beyond its input.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -110,14 +110,33 @@ def least_busy(replicas: list[Replica]) -> Replica:
     return min(replicas, key=lambda r: r.in_flight / max(1, r.limit))
 
 
-def backend_auth(replica: Replica) -> dict[str, str]:
-    """The backend's own key as a header, when it has one."""
+Identity = Callable[[Replica], list[tuple[bytes, bytes]]]
+
+
+def upstream_identity(
+    raw_headers: Sequence[tuple[bytes, bytes]],
+    request_id: str,
+    replica: Replica,
+    forward_key: bool,
+) -> list[tuple[bytes, bytes]]:
+    """Who a call to a backend is for: the request id, and the backend's key, or else the
+    client's own when the operator forwards it. Every call made for a client request
+    carries them: the proxied one, /tokenize, and the estimator's count on a backend."""
+    fields = [(b"x-request-id", request_id.encode("latin-1"))]
     key = replica.config.resolved_api_key()
-    return {"authorization": f"Bearer {key}"} if key else {}
+    if key:
+        fields.append((b"authorization", b"Bearer %s" % key.encode("latin-1")))
+    elif forward_key:
+        fields += [(n, v) for n, v in raw_headers if n == b"authorization"]
+    return fields
 
 
 async def _estimate(
-    runtime: Runtime, payload: Mapping[str, Any], shape: PromptShape, serving: list[Replica]
+    runtime: Runtime,
+    payload: Mapping[str, Any],
+    shape: PromptShape,
+    serving: list[Replica],
+    identity: Identity,
 ) -> Estimate:
     settings = runtime.current.settings
     estimator = settings.routing.estimator
@@ -130,7 +149,7 @@ async def _estimate(
                 runtime.client,
                 target.url,
                 payload,
-                headers=backend_auth(target),
+                headers=identity(target),
                 timeout_s=estimator.tokenize_timeout_s,
             )
             if counted is not None:
@@ -161,9 +180,14 @@ def _servers(runtime: Runtime, model: str) -> tuple[list[Replica], bool]:
 
 
 async def plan_route(
-    runtime: Runtime, payload: Mapping[str, Any], headers: Mapping[str, str], endpoint: str
+    runtime: Runtime,
+    payload: Mapping[str, Any],
+    headers: Mapping[str, str],
+    endpoint: str,
+    identity: Identity,
 ) -> Route:
-    """Estimate the prompt, refuse what no context could start, plan the pools."""
+    """Estimate the prompt, refuse what no context could start, plan the pools. A call
+    made to count the prompt on a backend carries ``identity`` (:func:`upstream_identity`)."""
     snapshot = runtime.current
     settings = snapshot.settings
     routing = settings.routing
@@ -177,7 +201,7 @@ async def plan_route(
         estimate = runtime.routing.estimate_locally(model, shape, routing)
         runtime.recorder.rejected(_pool_by_length(settings, serving, estimate), "no_backend")
         raise Unavailable(f"no healthy backend serves model `{model}`")
-    estimate = await _estimate(runtime, payload, shape, serving)
+    estimate = await _estimate(runtime, payload, shape, serving, identity)
     if runtime.current is not snapshot:
         # A reload while the prompt was counted (on a backend's /tokenize, in a tokenizer
         # thread): planned on the pools and replicas there are now, not on removed ones.

@@ -37,6 +37,7 @@ from gateway.placement import (
     make_could_use,
     make_pick,
     plan_route,
+    upstream_identity,
 )
 from gateway.record import RequestStatus
 from gateway.recording import Flight
@@ -133,24 +134,6 @@ def _max_queue_wait(request: ProxyRequest, pool: PoolConfig) -> float:
     return min(seconds, pool.max_queue_wait_ceiling_s)
 
 
-def upstream_identity(
-    raw_headers: Sequence[tuple[bytes, bytes]],
-    request_id: str,
-    replica: Replica,
-    forward_key: bool,
-) -> list[tuple[bytes, bytes]]:
-    """Who a call to a backend is for: the request id, and the backend's key, or else the
-    client's own when the operator forwards it. Every call made for a client request
-    carries them, proxied or not (``/tokenize``)."""
-    fields = [(b"x-request-id", request_id.encode("latin-1"))]
-    key = replica.config.resolved_api_key()
-    if key:
-        fields.append((b"authorization", b"Bearer %s" % key.encode("latin-1")))
-    elif forward_key:
-        fields += [(n, v) for n, v in raw_headers if n == b"authorization"]
-    return fields
-
-
 def _upstream_fields(request: ProxyRequest, replica: Replica, forward_key: bool) -> bytes:
     """The upstream request's header lines, from the client's raw ones (no decoding)."""
     named = connection_options(request.headers.get("connection"))
@@ -245,7 +228,12 @@ def _status_of(error: Exception) -> RequestStatus:
 
 
 async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | StreamRelay:
-    route = await plan_route(runtime, request.payload, request.headers, request.endpoint)
+    forward_key = runtime.current.settings.auth.forward_client_key
+
+    def identity(replica: Replica) -> list[tuple[bytes, bytes]]:
+        return upstream_identity(request.raw_headers, request.request_id, replica, forward_key)
+
+    route = await plan_route(runtime, request.payload, request.headers, request.endpoint, identity)
     settings = runtime.current.settings  # read after planning, which may have awaited
     pool = route.plan.home
     streaming = request.payload.get("stream") is True

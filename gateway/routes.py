@@ -23,8 +23,8 @@ from gateway.front import PROXIED_PATHS, ProxiedEndpoint, bearer, client_priorit
 from gateway.metrics import render
 from gateway.middleware import REQUEST_ID_SCOPE_KEY
 from gateway.payload import load_json
-from gateway.placement import least_busy
-from gateway.proxy import gateway_overloaded, upstream_identity
+from gateway.placement import least_busy, upstream_identity
+from gateway.proxy import gateway_overloaded
 from gateway.routing import token_limit_of
 from gateway.runtime import Runtime
 from gateway.settings import Settings

@@ -21,7 +21,7 @@ the prompt can be (:class:`Estimate`), or on an exact count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,7 +181,7 @@ async def tokenize_on_backend(
     url: str,
     payload: Mapping[str, Any],
     *,
-    headers: Mapping[str, str],
+    headers: Sequence[tuple[bytes, bytes]],
     timeout_s: float,
 ) -> Tokenized | None:
     """The backend's own count (vLLM ``POST /tokenize``); None when it does not answer."""
@@ -197,7 +197,7 @@ async def tokenize_on_backend(
         # dripping its answer a byte at a time would hold the request for far longer.
         with anyio.fail_after(timeout_s):
             response = await client.post(
-                url + "/tokenize", json=body, headers=dict(headers), timeout=timeout_s
+                url + "/tokenize", json=body, headers=list(headers), timeout=timeout_s
             )
         if response.status_code != 200:
             return None

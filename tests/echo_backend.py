@@ -5,7 +5,8 @@ gateway actually sent upstream, byte for byte, instead of trusting a mock.
 
 A body with ``"echo_stall": true`` gets the head and the first bytes of its answer, and
 never the rest: a backend caught in the middle of an answer. ``GET /stalled`` says how
-many answers are stalled so.
+many answers are stalled so. ``GET /seen/PATH`` gives the last echo of a POST to ``/PATH``,
+for calls whose answer the test never sees (the gateway's own ``/tokenize``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ MODELS = b'{"object":"list","data":[{"id":"echo","object":"model"}]}'
 
 class Echo(asyncio.Protocol):
     stalled = 0  # answers begun and never finished, over every connection
+    seen: dict[str, bytes] = {}  # path -> the last POST's echo, over every connection
 
     def __init__(self) -> None:
         self.buffer = b""
@@ -52,6 +54,9 @@ class Echo(asyncio.Protocol):
             )
             Echo.stalled += 1
             return
+        elif request_line.startswith("GET /seen/"):
+            path = "/" + request_line.split()[1].removeprefix("/seen/")
+            payload = Echo.seen.get(path, b"{}")
         elif request_line.startswith("GET "):
             payload = b"{}"
         else:
@@ -61,6 +66,7 @@ class Echo(asyncio.Protocol):
                 "body": body.decode("utf-8"),
             }
             payload = json.dumps(echoed).encode()
+            Echo.seen[request_line.split()[1]] = payload
         assert self.transport is not None
         self.transport.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"

@@ -372,3 +372,28 @@ def test_a_full_upstream_pool_is_the_gateways_shortage_not_the_backends(tmp_path
             gw.proc.stop()
     finally:
         ops.stop()
+
+
+def test_the_estimators_count_on_a_backend_carries_the_requests_identity(
+    tmp_path: Path, echo: Proc
+) -> None:
+    """With ``estimator.mode: backend``, the gateway's own /tokenize for a request went
+    without its id or the forwarded client key: a vLLM behind --api-key answered it 401
+    and every estimate fell back to characters."""
+    config = {
+        "backends": [echo_backend(echo.url)],
+        "auth": {"api_keys": ["sk-client"], "forward_client_key": True},
+        "routing": {"estimator": {"mode": "backend"}},
+    }
+    gw = start_gateway(tmp_path, config)
+    try:
+        headers = {"authorization": "Bearer sk-client", "x-request-id": "rid-9"}
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        response = httpx.post(gw.url + "/v1/chat/completions", json=chat, headers=headers)
+        assert response.status_code == 200, response.text
+        counted = httpx.get(echo.url + "/seen/tokenize", timeout=5).json()
+        assert counted["request_line"].startswith("POST /tokenize ")
+        assert header_values(counted, "authorization") == ["Bearer sk-client"]
+        assert header_values(counted, "x-request-id") == ["rid-9"]
+    finally:
+        gw.proc.stop()
