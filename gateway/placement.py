@@ -155,6 +155,11 @@ async def _estimate(
             if counted is not None:
                 if counted.max_model_len is not None:
                     target.discovered_max_model_len = counted.max_model_len
+                if shape.longest_size < shape.total_size:
+                    # One count for a whole batch: its longest sequence's share of it is a
+                    # guess by characters, so a refusal rests on the characters' floor.
+                    floor = runtime.routing.calibration.estimate_with_floor(model, shape).floor
+                    return Estimate(counted.count, exact=False, floor=floor)
                 return Estimate(counted.count, exact=True)
     if estimator.mode == "tokenizer" and model in estimator.tokenizers:
         return await anyio.to_thread.run_sync(
@@ -221,8 +226,8 @@ async def plan_route(
     # Only what no engine could start is refused here, at the fewest tokens the prompt can
     # be: prompt + max_tokens over the context is the engine's to judge (it stops the
     # output there, or answers its own 400).
-    if exceeds_every_context(lengths, shape.longest_of(estimate.fewest), least_output):
-        likely = shape.longest_of(estimate.tokens)
+    if exceeds_every_context(lengths, estimate.longest_fewest(shape), least_output):
+        likely = estimate.longest_likely(shape)
         raise _prompt_too_long(payload, lengths, likely, estimate.exact, embedding)
     fit, plan = _place(settings, healthy, estimate, shape, explicit, least_output)
     if plan is None:
@@ -255,11 +260,11 @@ def _place(
     or not probed yet): for a new request, and for a waiter planned again."""
     # The longest sequence as estimated (the pools split sequence lengths; a context
     # that holds it and the output is preferred), and the fewest tokens it can have.
-    likely = shape.longest_of(estimate.tokens)
+    likely = estimate.longest_likely(shape)
     fit = context_fit(
         [r.max_model_len for r in healthy],
         likely,
-        shape.longest_of(estimate.fewest),
+        estimate.longest_fewest(shape),
         requested_output,
         least_output,
     )

@@ -126,5 +126,5 @@ class RoutingState:
         estimator = config.estimator
         path = estimator.tokenizers.get(model) if estimator.mode == "tokenizer" else None
         if path is not None:
-            return Estimate(self.tokenizers.count(path, shape), exact=True)
+            return self.tokenizers.count(path, shape)
         return self.calibration.estimate_with_floor(model, shape)

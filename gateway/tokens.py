@@ -56,10 +56,21 @@ class Estimate:
     # characters every template renders at MOST_CHARS_PER_TOKEN, and the ids. No template
     # overhead, tool definitions or calls: a template may render none of them as counted.
     floor: int | None = None
+    # A batch's longest sequence counted on its own (a tokenizer counts each text): its
+    # share of the whole by characters may be far off when the texts tokenize unlike.
+    longest: int | None = None
 
     @property
     def fewest(self) -> int:
         return self.tokens if self.floor is None else self.floor
+
+    def longest_likely(self, shape: PromptShape) -> int:
+        """The longest sequence as estimated: what routing prefers a context to hold."""
+        return self.longest if self.longest is not None else shape.longest_of(self.tokens)
+
+    def longest_fewest(self, shape: PromptShape) -> int:
+        """The fewest tokens the longest sequence can be: what a refusal rests on."""
+        return self.longest if self.longest is not None else shape.longest_of(self.fewest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,11 +174,15 @@ class TokenizerFiles:
             self._loaded[path] = tokenizer
         return tokenizer
 
-    def count(self, path: str, shape: PromptShape) -> int:
+    def count(self, path: str, shape: PromptShape) -> Estimate:
         tokenizer = self._tokenizer(path)
         texts = list(shape.texts)
         encoded = tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
-        return sum(len(e.ids) for e in encoded) + self.template.overhead(shape) + shape.token_ids
+        counts = [len(e.ids) for e in encoded]
+        total = sum(counts) + self.template.overhead(shape) + shape.token_ids
+        # A batch of texts (a list of prompts or inputs), each its own sequence.
+        batch = len(counts) > 1 and not shape.chat and not shape.token_ids
+        return Estimate(total, exact=True, longest=max(counts) if batch else None)
 
 
 @dataclass(frozen=True, slots=True)

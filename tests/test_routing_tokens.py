@@ -16,6 +16,7 @@ from gateway.routing import RoutingState, token_limit_of
 from gateway.settings import BackendConfig, ConfigError, RoutingConfig, build_settings
 from gateway.tokens import MOST_CHARS_PER_TOKEN, CharsPerToken, ChatTemplate, TokenizerFiles
 from policies.admission import Outcome, PoolAdmission, Priority
+from policies.long_context import exceeds_every_context
 from policies.prompt_size import PromptShape, output_tokens, shape_of
 from policies.routing import Load
 from policies.token_budget import Claim, token_budget
@@ -150,8 +151,33 @@ def test_tokenizer_file_counts_exactly(tokenizer_file: Path) -> None:
             {"role": "user", "content": "foo bar baz hello"},
         ]
     }
-    assert files.count(str(tokenizer_file), shape_of(payload)) == 2 + 4 + 2 * 4 + 3
-    assert files.count(str(tokenizer_file), shape_of({"prompt": "hello " * 1000})) == 1000
+    assert files.count(str(tokenizer_file), shape_of(payload)).tokens == 2 + 4 + 2 * 4 + 3
+    assert files.count(str(tokenizer_file), shape_of({"prompt": "hello " * 1000})).tokens == 1000
+
+
+def test_a_tokenized_batch_judges_its_longest_text_by_its_own_count(tmp_path: Path) -> None:
+    """The exact total was split by character share: 16 spaces a token next to one
+    character a token made the longest of two inputs that fit (1,000 and 1,900 tokens)
+    count 2,593 on a 2,048 context, refused."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, " " * 16: 1, "字": 2}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
+        [
+            tokenizers.pre_tokenizers.Split(pattern=" " * 16, behavior="isolated"),
+            tokenizers.pre_tokenizers.Split(pattern="字", behavior="isolated"),
+        ]
+    )
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    shape = shape_of({"input": [" " * 16 * 1000, "字" * 1900]})
+    counted = TokenizerFiles().count(str(path), shape)
+    assert (counted.tokens, counted.exact) == (2900, True)
+    assert counted.longest_fewest(shape) == counted.longest_likely(shape) == 1900
+    assert not exceeds_every_context([2048], counted.longest_fewest(shape), 0)
+    # One text is not a batch: its count is the whole.
+    alone = TokenizerFiles().count(str(path), shape_of({"prompt": "字" * 30}))
+    assert alone.longest is None and alone.longest_fewest(shape_of({"prompt": "字" * 30})) == 30
 
 
 def test_routing_state_uses_the_tokenizer_only_in_tokenizer_mode(tokenizer_file: Path) -> None:
