@@ -155,17 +155,25 @@ async def _estimate(
             if counted is not None:
                 if counted.max_model_len is not None:
                     target.discovered_max_model_len = counted.max_model_len
-                if shape.longest_size < shape.total_size:
-                    # One count for a whole batch: its longest sequence's share of it is a
-                    # guess by characters, so a refusal rests on the characters' floor.
-                    floor = runtime.routing.calibration.estimate_with_floor(model, shape).floor
-                    return Estimate(counted.count, exact=False, floor=floor)
+                if shape.texts and shape.longest_size < shape.total_size:
+                    return _whole_batch_counted(runtime, model, shape, counted.count)
                 return Estimate(counted.count, exact=True)
     if estimator.mode == "tokenizer" and model in estimator.tokenizers:
         return await anyio.to_thread.run_sync(
             runtime.routing.estimate_locally, model, shape, settings.routing
         )
     return runtime.routing.estimate_locally(model, shape, settings.routing)
+
+
+def _whole_batch_counted(runtime: Runtime, model: str, shape: PromptShape, count: int) -> Estimate:
+    """A batch of texts a backend counted as a whole: exact, but how it splits between
+    the sequences is not known. The longest is at least the count less what the others
+    can be at most: a token per byte (byte-level BPE, byte fallback) and two special
+    tokens each."""
+    most = [len(text.encode("utf-8", "surrogatepass")) + 2 for text in shape.texts]
+    chars = runtime.routing.calibration.estimate_with_floor(model, shape)
+    longest_floor = max(count - sum(most) + max(most), shape.longest_of(chars.fewest))
+    return Estimate(count, exact=False, floor=chars.floor, longest_floor=longest_floor)
 
 
 def _servers(runtime: Runtime, model: str) -> tuple[list[Replica], bool]:

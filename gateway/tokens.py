@@ -59,6 +59,9 @@ class Estimate:
     # A batch's longest sequence counted on its own (a tokenizer counts each text): its
     # share of the whole by characters may be far off when the texts tokenize unlike.
     longest: int | None = None
+    # The fewest tokens a batch's longest sequence can be, when known better than its share
+    # of the floor (a backend counting the whole batch at once).
+    longest_floor: int | None = None
 
     @property
     def fewest(self) -> int:
@@ -70,6 +73,8 @@ class Estimate:
 
     def longest_fewest(self, shape: PromptShape) -> int:
         """The fewest tokens the longest sequence can be: what a refusal rests on."""
+        if self.longest_floor is not None:
+            return self.longest_floor
         return self.longest if self.longest is not None else shape.longest_of(self.fewest)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,7 +31,8 @@ from gateway.errors import InvalidRequest
 from gateway.payload import parse_payload
 from gateway.tokens import MOST_CHARS_PER_TOKEN, CharsPerToken
 from policies.prompt_size import shape_of
-from tests.procs import Gateway, Proc, start_gateway
+from tests.procs import MODEL as MODEL_SIM
+from tests.procs import Gateway, Proc, backend, start_gateway, start_sim
 from tests.test_proxy_upstream_request import MODEL, echo_backend, start_echo
 
 CONTEXT = 2048
@@ -190,3 +192,31 @@ def test_neither_field_is_still_a_clear_400(gw: Gateway) -> None:
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("missing_required_parameter", "prompt")
     assert "`prompt` or `prompt_embeds`" in error["message"]
+
+
+def test_a_batch_a_backend_counts_whole_refuses_by_its_longests_own_floor(tmp_path: Path) -> None:
+    """``estimator.mode: backend`` counts a batch as a whole: the longest input is at least
+    the count less what the others can be (a token per byte). An input 5x over the context
+    beside a short one was forwarded; an id batch was reported as "about" its exact count."""
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    try:
+        config = {
+            "backends": [backend("a", sim.url, max_model_len=100)],
+            "routing": {"estimator": {"mode": "backend"}},
+        }
+        gateway = start_gateway(tmp_path, config)
+        try:
+            url = gateway.url + "/v1/embeddings"
+            batch = {"model": MODEL_SIM, "input": ["word " * 500, "hi"]}
+            refused = httpx.post(url, json=batch, timeout=30)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["code"] == "context_length_exceeded"
+            fits = {"model": MODEL_SIM, "input": ["word " * 15, "hi " * 15]}
+            assert httpx.post(url, json=fits, timeout=30).status_code == 200
+            ids = {"model": MODEL_SIM, "input": [[7] * 500, [8] * 3]}
+            message = httpx.post(url, json=ids, timeout=30).json()["error"]["message"]
+            assert "you requested 500 tokens" in message, message
+        finally:
+            gateway.proc.stop()
+    finally:
+        sim.stop()
