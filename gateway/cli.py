@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from gateway.config_warnings import config_warnings, ignored_environment
 from gateway.embedded import DEFAULT_MODEL
 from gateway.settings import (
     CONFIG_ENV,
     ConfigError,
     Settings,
-    ignored_environment,
     load_settings,
 )
 
@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _warn_of_likely_slips(settings: Settings) -> None:
     for name in ignored_environment(settings):
         print(f"kneecap: warning: {name} names no setting; ignored", file=sys.stderr)
-    for warning in settings.warnings():
+    for warning in config_warnings(settings):
         print(f"kneecap: warning: {warning}", file=sys.stderr)
 
 

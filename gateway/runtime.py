@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from backends.pool import BackendSet
 from backends.replica import EngineGauges, Replica
+from gateway.config_warnings import config_warnings
 from gateway.control import LimitLoop
 from gateway.metrics import GatewayMetrics
 from gateway.recording import Recorder
@@ -315,7 +316,7 @@ class Runtime:
         self.on_reload()
         names = ", ".join(r.name for r in self.current.backends.replicas)
         message = f"config applied: {len(self.current.backends.replicas)} backends ({names})"
-        for warning in settings.warnings():
+        for warning in config_warnings(settings):
             log.warning("config reload: %s", warning)
         unapplied = _needing_a_restart(self._at_startup or settings, settings)
         if unapplied:

@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import functools
 import os
-import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
+from gateway.config_file import ConfigError, format_validation_error, read_config_file
 from policies.knee import KneeLimitConfig
-from policies.registry import LimitConfig, controller_kinds
+from policies.registry import LimitConfig
 
 ENV_PREFIX = "KNEECAP_"
 CONFIG_ENV = "KNEECAP_CONFIG"
@@ -423,43 +420,6 @@ class Settings(BaseSettings):
                 )
         return self
 
-    def shared_engines(self) -> list[str]:
-        """Warnings for backends at one URL: each admits up to its own limit, so the engine
-        gets their sum. Not refused: one engine in two pools (two queues, two limits
-        summing to its knee) is a setup of its own, and tests use it."""
-        by_url: dict[str, list[str]] = {}
-        for b in self.backends:
-            if b.url is not None:
-                by_url.setdefault(_same_engine(b.url), []).append(b.name)
-        return [
-            f"backends {', '.join(names)} are one engine ({url}): each admits up to its own "
-            "limit, the engine gets their sum"
-            for url, names in by_url.items()
-            if len(names) > 1
-        ]
-
-    def shadowed_pools(self) -> list[str]:
-        """Warnings for pools whose whole range an earlier pool holds: the home pool is the
-        first (config order) whose range holds the prompt and can serve it, so such a pool
-        is home only when the earlier one cannot (its backends down, or their context too
-        short), and otherwise serves only what spills to it."""
-        warnings = []
-        pools = list(self.pools.items())
-        for i, (name, pool) in enumerate(pools):
-            for earlier, cover in pools[:i]:
-                if _holds_range(cover, pool):
-                    warnings.append(
-                        f"pool {name!r} is no request's home while pool {earlier!r} can "
-                        "serve it: that pool, earlier in the config, holds its whole range "
-                        "of prompt lengths"
-                    )
-                    break
-        return warnings
-
-    def warnings(self) -> list[str]:
-        """What loads but is most likely not what was meant."""
-        return self.shared_engines() + self.shadowed_pools()
-
     def _connections_needed(self) -> int:
         return sum(self.limit_of(b).max for b in self.backends)
 
@@ -472,100 +432,6 @@ class Settings(BaseSettings):
 
     def limit_of(self, backend: BackendConfig) -> LimitConfig:
         return backend.limit if backend.limit is not None else self.admission.limit
-
-
-def _holds_range(cover: PoolConfig, pool: PoolConfig) -> bool:
-    upper, cover_upper = pool.max_prompt_tokens, cover.max_prompt_tokens
-    above = cover_upper is None or (upper is not None and upper <= cover_upper)
-    return cover.min_prompt_tokens <= pool.min_prompt_tokens and above
-
-
-def _same_engine(url: str) -> str:
-    """A URL as one engine is known by: scheme and host are case-blind, the port
-    defaults by scheme, and a trailing slash changes nothing."""
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
-    return (
-        f"{parts.scheme.lower()}://{(parts.hostname or '').lower()}:{port}{parts.path.rstrip('/')}"
-    )
-
-
-class ConfigError(Exception):
-    """A config that cannot be used; the message names the bad key."""
-
-
-def format_validation_error(error: ValidationError) -> str:
-    """One line per error: the key's path as the file spells it, and what was wrong.
-
-    A union (a key, or ``{key, priority}``) reports each of its branches; the branch
-    for a scalar says nothing useful about a mapping that was given, so it is left out,
-    and pydantic's own names for a branch (``lax-or-strict[...]``, a model's class
-    name) are not part of the path."""
-    items = error.errors()
-    kept = [i for i in items if not (_internal_parts(i["loc"]) and isinstance(i["input"], dict))]
-    lines = []
-    for item in kept or items:
-        parts = _file_path(item["loc"])
-        lines.append(f"{'.'.join(parts) or '(top level)'}: {item['msg']}")
-    return "\n".join(lines)
-
-
-def _is_branch_name(part: str | int) -> bool:
-    return isinstance(part, str) and ("[" in part or part[:1].isupper())
-
-
-def _file_path(loc: tuple[str | int, ...]) -> list[str]:
-    parts: list[str] = []
-    for part in loc:
-        # pydantic names a limit block's branch by its tag (`limit.knee.initial`): in
-        # the file that is the value of `kind`, not a key.
-        is_tag = parts[-1:] == ["limit"] and part in controller_kinds()
-        if not (_is_branch_name(part) or is_tag):
-            parts.append(str(part))
-    return parts
-
-
-def _internal_parts(loc: tuple[str | int, ...]) -> bool:
-    return any(isinstance(part, str) and "[" in part for part in loc)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML keeps the last of a key given twice; in a config that is an editing slip
-    (a second `auth:` block silently dropped the first one's keys), so it is refused."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *base`: keys given beside it override the base's on purpose
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
-            if isinstance(key, list | dict):
-                continue  # unhashable: the base class reports it
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while reading a mapping",
-                    node.start_mark,
-                    f"found the key {key!r} twice",
-                    key_node.start_mark,
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): {exc.reason}") from exc
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    return data
 
 
 def build_settings(data: dict[str, Any]) -> Settings:
@@ -586,34 +452,6 @@ def build_settings(data: dict[str, Any]) -> Settings:
         raise ConfigError(
             f"{exc}{cause} (lists and mappings from the environment are JSON)"
         ) from exc
-
-
-# Kubernetes gives every pod `<SERVICE>_PORT`, `<SERVICE>_SERVICE_HOST`, ... for each
-# service in its namespace, so a service named `kneecap` sets these.
-_SERVICE_LINK = re.compile(r"^KNEECAP_(PORT(_\d+_(TCP|UDP|SCTP)(_\w+)?)?|SERVICE_\w+)$", re.I)
-
-
-def ignored_environment(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
-    """``KNEECAP_*`` variables that name no setting: most likely a misspelt override.
-
-    A misspelt nested key (``KNEECAP_HEALTH__INTERVALS``) is refused like a file's; a
-    misspelt first level (``KNEECAP_HEALHT__INTERVAL_S``) is not seen by the settings at
-    all, so the gateway would run on the value it was meant to replace. Not refused:
-    other programs may own variables with this prefix.
-    """
-    own = {CONFIG_ENV.upper()}
-    if settings.auth.api_keys_env:
-        own.add(settings.auth.api_keys_env.upper())
-    own.update(b.api_key_env.upper() for b in settings.backends if b.api_key_env)
-    fields = set(Settings.model_fields)
-    ignored = []
-    for name in environ:
-        upper = name.upper()
-        if not upper.startswith(ENV_PREFIX) or upper in own or _SERVICE_LINK.match(upper):
-            continue
-        if upper[len(ENV_PREFIX) :].split("__", 1)[0].lower() not in fields:
-            ignored.append(name)
-    return sorted(ignored)
 
 
 def load_settings(path: str | Path | None) -> Settings:

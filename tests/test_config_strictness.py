@@ -14,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from gateway.config_warnings import config_warnings, shared_engines
 from gateway.settings import ConfigError, build_settings, load_settings
 from tests.procs import backend, start_gateway, start_sim
 from tests.test_cli import run_cli
@@ -70,7 +71,7 @@ def test_a_backend_that_says_two_things_is_refused(extra: dict[str, Any], words:
 )
 def test_two_backends_at_one_engine_are_warned_of(first: str, second: str) -> None:
     config = {"backends": [backend("a", first), backend("b", second)]}
-    (warning,) = build_settings(config).shared_engines()
+    (warning,) = shared_engines(build_settings(config))
     assert "backends a, b are one engine" in warning
 
 
@@ -90,7 +91,7 @@ def test_backends_at_other_ports_or_paths_are_not_one_engine() -> None:
         "https://127.0.0.1:9",
     ]
     config = {"backends": [backend(f"b{i}", url) for i, url in enumerate(urls)]}
-    assert build_settings(config).shared_engines() == []
+    assert shared_engines(build_settings(config)) == []
 
 
 def test_a_client_key_in_both_classes_is_refused() -> None:
@@ -214,10 +215,35 @@ def test_a_backend_that_never_comes_up_is_logged_with_the_reason(tmp_path: Path)
 
 
 def test_a_pool_an_earlier_one_covers_is_warned_of() -> None:
+    backends = [backend("g", NOWHERE, "general"), backend("l", "http://127.0.0.1:10", "long")]
     pools = {"general": {}, "long": {"min_prompt_tokens": 2000}}
-    (warning,) = build_settings({"pools": pools}).warnings()
-    assert "pool 'long' is no request's home while pool 'general'" in warning
-    # The defaults, and the same pools the other way round, are fine.
-    assert build_settings({}).warnings() == []
+    (warning,) = config_warnings(build_settings({"pools": pools, "backends": backends}))
+    assert "pool 'long' is no request's home while 'general'" in warning
+    # The same pools the other way round are fine, and so are pools without backends.
     flipped = {"long": {"min_prompt_tokens": 2000}, "general": {}}
-    assert build_settings({"pools": flipped}).warnings() == []
+    assert config_warnings(build_settings({"pools": flipped, "backends": backends})) == []
+    assert config_warnings(build_settings({"pools": pools})) == []
+
+
+def test_pools_covered_together_are_warned_of_and_pools_per_model_are_not() -> None:
+    def config(pools: dict[str, Any], models: dict[str, list[str] | None]) -> dict[str, Any]:
+        backends = [
+            backend(f"b-{pool}", f"http://127.0.0.1:{10 + i}", pool, models=models[pool] or [])
+            for i, pool in enumerate(pools)
+        ]
+        return {"pools": pools, "backends": backends}
+
+    ranges = {
+        "a": {"max_prompt_tokens": 2000},
+        "c": {"min_prompt_tokens": 2000},
+        "b": {"min_prompt_tokens": 1000, "max_prompt_tokens": 3000},
+    }
+    same = {"a": ["m"], "c": ["m"], "b": ["m"]}
+    (warning,) = config_warnings(build_settings(config(ranges, same)))
+    assert "pool 'b' is no request's home while 'a', 'c'" in warning
+    # One pool per model: each is its model's home, whatever the ranges.
+    per_model = {"llama": {}, "qwen": {}}
+    assert config_warnings(build_settings(config(per_model, {"llama": ["l"], "qwen": ["q"]}))) == []
+    # A backend that learns its models at run time may share one.
+    learnt = config_warnings(build_settings(config(per_model, {"llama": ["l"], "qwen": None})))
+    assert len(learnt) == 1
