@@ -71,7 +71,8 @@ def test_interleaved_comparison_of_two_checkouts_reports_its_ratio() -> None:
         [sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    summary = result.stdout.strip().splitlines()[-1]
-    assert summary.startswith("req_s: old mean") and "new/old median" in summary, result.stdout
-    ratio = float(summary.split("new/old median ")[1].split()[0])
-    assert 0 < ratio < 10
+    throughput, cpu = result.stdout.strip().splitlines()[-2:]
+    for summary, name in ((throughput, "req_s"), (cpu, "cpu_us_per_req")):
+        assert summary.startswith(f"{name}: old mean"), result.stdout
+        ratio = float(summary.split("new/old median ")[1].split()[0])
+        assert 0 < ratio < 10

@@ -59,6 +59,7 @@ def _gateway(name: str, checkout: Path, backend_url: str, workdir: Path, core: i
         stdout=handle,
         stderr=handle,
         cwd=checkout,
+        env={**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")},
     )
     proc = Proc(name, process, f"http://{HOST}:{port}", workdir / f"{name}.log")
     deadline = time.monotonic() + 30
@@ -86,7 +87,19 @@ def _body(scenario: str) -> bytes:
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
-async def _slice(url: str, scenario: str, body: bytes, seconds: float) -> dict[str, float]:
+def _cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (``/proc/PID/stat``, in clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _cpu_at(pid: int, moment: float) -> float:
+    await asyncio.sleep(max(0.0, moment - time.perf_counter()))
+    return _cpu_seconds(pid)
+
+
+async def _slice(proc: Proc, scenario: str, body: bytes, seconds: float) -> dict[str, float]:
+    url = proc.url
     port = int(url.rsplit(":", 1)[1])
     request = build_request(HOST, port, body)
     clients = 32 if scenario == "nonstream" else 64
@@ -99,9 +112,19 @@ async def _slice(url: str, scenario: str, body: bytes, seconds: float) -> dict[s
             await asyncio.sleep(index * 2.0 / clients)
         await run_client(HOST, port, request, window, window.t1)
 
+    # The gateway's CPU over the counted window: per request, it moves far less with the
+    # machine's drift than requests/s does.
+    cpu_start = asyncio.create_task(_cpu_at(proc.pid, window.t0))
+    cpu_end = asyncio.create_task(_cpu_at(proc.pid, window.t1))
     await asyncio.gather(*(client(i) for i in range(clients)))
     if scenario == "nonstream":
-        return {"req_s": window.completed / seconds}
+        cpu = await cpu_end - await cpu_start
+        return {
+            "req_s": window.completed / seconds,
+            "cpu_us_per_req": cpu / max(1, window.completed) * 1e6,
+        }
+    cpu_start.cancel()
+    cpu_end.cancel()
     async with httpx.AsyncClient() as client:  # the gateway's own figures, after the slice
         records = (await client.get(url + "/admin/requests?limit=256", timeout=5)).json()
     records = records.get("requests", records) if isinstance(records, dict) else records
@@ -118,7 +141,7 @@ async def _run(old: Proc, new: Proc, scenario: str, pairs: int) -> list[dict[str
     rows = []
     for i in range(pairs):
         order = (old, new) if i % 2 == 0 else (new, old)
-        got = {proc.name: await _slice(proc.url, scenario, body, seconds) for proc in order}
+        got = {proc.name: await _slice(proc, scenario, body, seconds) for proc in order}
         row = {
             f"{side} {key}": value for side in ("old", "new") for key, value in got[side].items()
         }
@@ -128,7 +151,11 @@ async def _run(old: Proc, new: Proc, scenario: str, pairs: int) -> list[dict[str
 
 
 def _summary(rows: list[dict[str, float]], scenario: str) -> str:
-    keys = ["req_s"] if scenario == "nonstream" else ["ttft_p50_ms", "receipt_to_write_p50_ms"]
+    keys = (
+        ["req_s", "cpu_us_per_req"]
+        if scenario == "nonstream"
+        else ["ttft_p50_ms", "receipt_to_write_p50_ms"]
+    )
     lines = []
     for key in keys:
         old = [r[f"old {key}"] for r in rows]
