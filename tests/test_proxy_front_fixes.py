@@ -22,22 +22,12 @@ import pytest
 
 from gateway.proxy import ProxyRequest, _prepare_stream
 from gateway.upstream import UpstreamTransport
-from tests.procs import Proc, backend, free_port, start_gateway, start_process, wait_until
+from tests.procs import Proc, backend, start_gateway, wait_until
 from tests.test_ops_robustness import counts, start_ops_backend
+from tests.test_proxy_upstream_request import start_echo
 
 MODEL = "echo"
 REPO = Path(__file__).resolve().parent.parent
-
-
-def start_echo(tmp: Path) -> Proc:
-    port = free_port()
-    return start_process(
-        ["--port", str(port)],
-        f"http://127.0.0.1:{port}",
-        "/health",
-        tmp / f"echo-{port}.log",
-        module="tests.echo_backend",
-    )
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ def start_echo(tmp: Path) -> Proc:
         ["--port", str(port)],
         f"http://127.0.0.1:{port}",
         "/health",
-        tmp / "echo.log",
+        tmp / f"echo-{port}.log",  # several may share a directory
         module="tests.echo_backend",
     )
 

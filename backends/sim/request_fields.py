@@ -177,16 +177,8 @@ class _Field:
     prefix: str = "body"
 
 
-# Each endpoint's fields the simulator reads, in vLLM's declaration order: pydantic
-# reports its errors in that order, and ``param`` is the first.
-CHAT_FIELDS = (
-    _Field("messages", _messages, nullable=False, required=True),
-    _Field("frequency_penalty", _number),
-    _Field("logprobs", _flag),
-    _Field("top_logprobs", _integer),
-    _Field("max_tokens", _integer),
-    _Field("max_completion_tokens", _integer),
-    _Field("n", _integer),
+# The sampling fields both request models end with, in the same order.
+_SAMPLING_FIELDS = (
     _Field("presence_penalty", _number),
     _Field("seed", _seed),
     _Field("stop", _stop),
@@ -200,6 +192,19 @@ CHAT_FIELDS = (
     _Field("ignore_eos", _flag, nullable=False),
     _Field("min_tokens", _integer, nullable=False),
     _Field("prompt_logprobs", _integer),
+)
+
+# Each endpoint's fields the simulator reads, in vLLM's declaration order: pydantic
+# reports its errors in that order, and ``param`` is the first.
+CHAT_FIELDS = (
+    _Field("messages", _messages, nullable=False, required=True),
+    _Field("frequency_penalty", _number),
+    _Field("logprobs", _flag),
+    _Field("top_logprobs", _integer),
+    _Field("max_tokens", _integer),
+    _Field("max_completion_tokens", _integer),
+    _Field("n", _integer),
+    *_SAMPLING_FIELDS,
 )
 _STREAM_OPTIONS_FIELDS = (
     _Field("include_usage", _flag, prefix="body.stream_options"),
@@ -212,19 +217,7 @@ COMPLETION_FIELDS = (
     _Field("logprobs", _integer),
     _Field("max_tokens", _integer),
     _Field("n", _integer, nullable=False),
-    _Field("presence_penalty", _number),
-    _Field("seed", _seed),
-    _Field("stop", _stop),
-    _Field("stream", _flag),
-    _Field("stream_options", _stream_options),
-    _Field("temperature", _number),
-    _Field("top_p", _number),
-    _Field("top_k", _integer),
-    _Field("min_p", _number),
-    _Field("repetition_penalty", _number),
-    _Field("ignore_eos", _flag, nullable=False),
-    _Field("min_tokens", _integer, nullable=False),
-    _Field("prompt_logprobs", _integer),
+    *_SAMPLING_FIELDS,
 )
 
 
