@@ -20,8 +20,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from uvicorn.server import ServerState
 
 from gateway.protocol import MAX_HEAD_BYTES, GatewayProtocol
 from gateway.settings import ListenConfig
@@ -35,6 +33,7 @@ from tests.procs import (
     start_sim,
     wait_until,
 )
+from tests.protocol_server import protocol_server
 
 STATIC_1 = {"kind": "static", "initial": 1, "min": 1, "max": 1}
 
@@ -64,25 +63,8 @@ async def front(
     # What the gateway's lifespan hands its protocols: the runtime, its live settings.
     settings = SimpleNamespace(listen=listen or ListenConfig.model_validate({}))
     app_state = {"runtime": SimpleNamespace(current=SimpleNamespace(settings=settings))}
-    config = uvicorn.Config(app=_answers_its_body, http=GatewayProtocol, log_level="critical")
-    config.load()
-    state = ServerState()
-    made: asyncio.Future[GatewayProtocol] = asyncio.get_running_loop().create_future()
-
-    def factory() -> GatewayProtocol:
-        protocol = GatewayProtocol(config=config, server_state=state, app_state=app_state)
-        if not made.done():
-            made.set_result(protocol)
-        return protocol
-
-    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        yield await asyncio.wait_for(made, 5), reader, writer
-    finally:
-        writer.close()
-        server.close()
+    async with protocol_server(_answers_its_body, app_state) as connected:
+        yield connected
 
 
 def post(body: bytes, headers: bytes = b"", *, close: bool = False) -> bytes:

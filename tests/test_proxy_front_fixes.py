@@ -24,9 +24,8 @@ from gateway.proxy import ProxyRequest, _prepare_stream
 from gateway.upstream import UpstreamTransport
 from tests.procs import Proc, backend, start_gateway, wait_until
 from tests.test_ops_robustness import counts, start_ops_backend
-from tests.test_proxy_upstream_request import start_echo
+from tests.test_proxy_upstream_request import MODEL, echo_backend, fields_of, start_echo
 
-MODEL = "echo"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -39,16 +38,12 @@ def echo(tmp_path: Path) -> Iterator[Proc]:
         proc.stop()
 
 
-def echo_backend(url: str, name: str = "echo", model: str = MODEL) -> dict[str, object]:
-    return {"name": name, "url": url, "pool": "short", "models": [model]}
-
-
 def header_names(echoed: dict) -> list[str]:
-    return [name.lower() for name, _ in echoed["headers"]]
+    return [name for name, _ in fields_of(echoed)]
 
 
 def header_values(echoed: dict, name: str) -> list[str]:
-    return [value for n, value in echoed["headers"] if n.lower() == name]
+    return [value for n, value in fields_of(echoed) if n == name]
 
 
 def chat(**extra: object) -> dict[str, object]:
@@ -177,7 +172,10 @@ def test_a_request_the_gateway_has_no_descriptor_for_is_a_503_not_a_backend_fail
 ) -> None:
     warm, cold = start_echo(tmp_path), start_echo(tmp_path)
     config = {
-        "backends": [echo_backend(warm.url, "warm", "warm"), echo_backend(cold.url, "cold")],
+        "backends": [
+            echo_backend(warm.url, name="warm", models=["warm"]),
+            echo_backend(cold.url, name="cold"),
+        ],
         "health": {"failure_threshold": 1},  # one failure counted would eject it
         "upstream": {"max_attempts": 2},
     }

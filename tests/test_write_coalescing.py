@@ -14,11 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
-from uvicorn.server import ServerState
 
-from gateway.protocol import GatewayProtocol, HeadWithBody
+from gateway.protocol import HeadWithBody
 from tests.procs import MODEL, Gateway, Proc, backend, start_gateway, start_sim
+from tests.protocol_server import protocol_server
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/PID/io")
 
@@ -176,22 +175,7 @@ async def test_the_gateway_protocol_sends_a_held_head_before_its_own_writes(
     """A real GatewayProtocol on a real connection: a response head is held when the
     protocol itself writes (a 400 for a bad pipelined request read in the same turn) or
     closes (shutdown, keep-alive timeout). The head must go first, never after or lost."""
-    config = uvicorn.Config(app=_never_called, http=GatewayProtocol, log_level="critical")
-    config.load()
-    state = ServerState()
-    made: asyncio.Future[GatewayProtocol] = asyncio.get_running_loop().create_future()
-
-    def factory() -> GatewayProtocol:
-        protocol = GatewayProtocol(config=config, server_state=state, app_state={})
-        if not made.done():
-            made.set_result(protocol)
-        return protocol
-
-    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        protocol = await asyncio.wait_for(made, 5)
+    async with protocol_server(_never_called) as (protocol, reader, _):
         head = HeadWithBody(protocol.transport, asyncio.get_running_loop(), protocol)
         head.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")  # held, in this step:
         if own_write == "send_400_response":
@@ -204,9 +188,6 @@ async def test_the_gateway_protocol_sends_a_held_head_before_its_own_writes(
         assert received.startswith(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"), received
         if own_write == "send_400_response":
             assert b"400 Bad Request" in received
-    finally:
-        writer.close()
-        server.close()
 
 
 async def _never_called(scope: object, receive: object, send: object) -> None:
