@@ -30,6 +30,16 @@ _BLANK_LINE_BEGUN = 3
 RELEASED_KEPT_BYTES = 64 * 1024
 
 
+def _may_end_event(pending: bytes | bytearray, chunk: bytes) -> bool:
+    """Whether ``chunk`` may end the pending event. ``pending`` holds no blank line, so
+    one can only be in ``chunk`` or straddle the two; True may be a false alarm (a
+    ``\\r\\n\\r`` that a read cut), which the full search then tells apart."""
+    edge = pending[-_BLANK_LINE_BEGUN:] + chunk
+    if b"\r" in edge:
+        return _BLANK_LINE.search(edge) is not None
+    return _SEP in edge
+
+
 class SSEFramer:
     __slots__ = ("_after_cr", "_released_head", "_released_tail", "_separator", "_tail")
 
@@ -50,7 +60,18 @@ class SSEFramer:
         The bytes are ``chunk`` itself, no copy, when no event was pending before it
         and it ends at a boundary (the common case). An unterminated end stays pending.
         """
-        data = self._tail + chunk if self._tail else chunk
+        tail = self._tail
+        if tail:
+            if not _may_end_event(tail, chunk):
+                # A long event arriving in many reads: grown in place, and only its new
+                # bytes searched, or each read would copy and scan all of it again.
+                if type(tail) is bytes:
+                    self._tail = tail = bytearray(tail)
+                tail += chunk
+                return b"", []
+            data = b"".join((tail, chunk))
+        else:
+            data = chunk
         if b"\r" in data or self._after_cr:
             return self._feed_any_line_end(data)
         self._separator = _SEP
@@ -90,12 +111,16 @@ class SSEFramer:
     @property
     def pending(self) -> bytes:
         """Bytes of an event that has not been terminated yet."""
-        return self._tail
+        return bytes(self._tail)
+
+    @property
+    def pending_size(self) -> int:
+        return len(self._tail)
 
     def release_pending(self) -> bytes:
         """The pending bytes, no longer held: the start of an event too long to hold, to go
         out now. The rest of it goes out as it comes, until :meth:`end_of_released`."""
-        tail, self._tail = self._tail, b""
+        tail, self._tail = bytes(self._tail), b""
         self._released_head = tail[:RELEASED_KEPT_BYTES]
         self._released_tail = tail[-RELEASED_KEPT_BYTES:]
         return tail
