@@ -94,8 +94,16 @@ def test_a_capped_stream_ends_at_the_context_with_length(sim: Proc) -> None:
     assert events[-1]["usage"]["completion_tokens"] == 3
 
 
+def test_a_completion_without_max_tokens_gets_vllms_sixteen(sim: Proc) -> None:
+    answer = post(sim, {"prompt": "hi"})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 16
+    assert answer.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_a_chat_without_max_tokens_is_capped_too(sim: Proc) -> None:
-    """The simulator's default output (256) is capped the same way."""
+    """The simulator's default chat output (256; vLLM's is the context, with a real
+    model's EOS) is capped the same way."""
     messages = [{"role": "user", "content": "abcd" * (CONTEXT - 20)}]  # + the template's
     answer = post(sim, {"messages": messages}, "/v1/chat/completions")
     assert answer.status_code == 200, answer.text

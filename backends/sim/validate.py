@@ -33,7 +33,11 @@ from backends.sim.request_fields import (
 from backends.sim.sampling_checks import check_sampling
 from backends.sim.tokenizer import count_chat_tokens, count_text_tokens
 
-DEFAULT_MAX_TOKENS = 256  # the simulator's own default (vLLM: whatever the context leaves)
+# When a request names no output length. /v1/completions: vLLM's 16 (the OpenAI legacy
+# API's). Chat: vLLM takes whatever the context leaves, and a real model stops at its EOS;
+# the fixed-latency engines draw no EOS, so that would be the whole context every time.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +87,8 @@ def read(payload: dict[str, Any], chat: bool, max_model_len: int) -> Asked:
         "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
     )
     prompt_tokens, exact = _prompt_tokens(payload, chat)
-    max_tokens = _output_budget(max_model_len, prompt_tokens, exact, fields[param], param)
+    default = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
+    max_tokens = _output_budget(max_model_len, prompt_tokens, exact, fields[param], param, default)
     check_sampling(fields, max_tokens)
     if fields["n"] is not None and fields["n"] > 1:
         # One sequence per request is all the cost model knows: say so, never answer
@@ -185,7 +190,7 @@ def _prompt_tokens(payload: dict[str, Any], chat: bool) -> tuple[int, bool]:
 
 
 def _output_budget(
-    max_model_len: int, prompt: int, exact: bool, requested: int | None, param: str
+    max_model_len: int, prompt: int, exact: bool, requested: int | None, param: str, default: int
 ) -> int:
     """vLLM's ``TokenizeParams`` checks, then ``get_max_tokens``: the output is capped to
     what the context leaves."""
@@ -206,4 +211,4 @@ def _output_budget(
             "input_tokens",
             shown,
         )
-    return min(max_model_len - prompt, DEFAULT_MAX_TOKENS if requested is None else requested)
+    return min(max_model_len - prompt, default if requested is None else requested)
