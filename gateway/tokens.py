@@ -185,6 +185,12 @@ class TokenizerFiles:
         encoded = tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
         counts = [len(e.ids) for e in encoded]
         total = sum(counts) + self.template.overhead(shape) + shape.token_ids
+        if shape.optional_texts:
+            # Tool definitions and calls counted as JSON: what the template makes of them
+            # (nothing, with some templates or `tool_choice: "none"`) is unknown here, so
+            # only the rest is sure, as for a character estimate (see Estimate.floor).
+            rendered = sum(counts[: len(counts) - shape.optional_texts])
+            return Estimate(total, exact=False, floor=rendered + shape.token_ids)
         # A batch of texts (a list of prompts or inputs), each its own sequence.
         batch = len(counts) > 1 and not shape.chat and not shape.token_ids
         return Estimate(total, exact=True, longest=max(counts) if batch else None)

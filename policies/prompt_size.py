@@ -26,6 +26,7 @@ class PromptShape:
     # (a template may not render them, some not with ``tool_choice: "none"``) and the JSON
     # of tool calls (rendered in the template's own words). Only the rest surely counts.
     optional_chars: int = 0
+    optional_texts: int = 0  # how many of ``texts``, at their end, those characters are
     # A list of prompts or inputs is a batch of sequences, each with its own context: the
     # longest one's size and the whole's (characters, or ids when they are ids). Whole
     # numbers, not their ratio: a float ratio turns 2,047 of 2,214 ids into 2,047.0000000000002.
@@ -101,6 +102,7 @@ def shape_of(payload: Mapping[str, Any]) -> PromptShape:
             max(1, len(messages)),
             0,
             optional_chars=sum(map(len, optional)),
+            optional_texts=len(optional),
             media=media,
             sequences=copies,
         )

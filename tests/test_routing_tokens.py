@@ -155,6 +155,24 @@ def test_tokenizer_file_counts_exactly(tokenizer_file: Path) -> None:
     assert files.count(str(tokenizer_file), shape_of({"prompt": "hello " * 1000})).tokens == 1000
 
 
+def test_tool_definitions_counted_by_a_tokenizer_route_but_do_not_refuse(
+    tokenizer_file: Path,
+) -> None:
+    """A template may render no tool at all (`tool_choice: "none"` with some): 12 tokens of
+    messages and thousands of tokens of tool JSON were refused as surely over a context."""
+    tool = {"type": "function", "function": {"name": "hello", "description": "foo " * 500}}
+    payload = {
+        "messages": [{"role": "user", "content": "hello world"}],
+        "tools": [tool] * 4,
+        "tool_choice": "none",
+    }
+    shape = shape_of(payload)
+    counted = TokenizerFiles(ChatTemplate(4, 3)).count(str(tokenizer_file), shape)
+    assert counted.tokens > 2000 and not counted.exact  # routes as if the tools were rendered
+    assert counted.fewest == 2  # refuses only by what every template renders
+    assert not exceeds_every_context([1024], counted.longest_fewest(shape), 0)
+
+
 def test_a_tokenized_batch_judges_its_longest_text_by_its_own_count(tmp_path: Path) -> None:
     """The exact total was split by character share: 16 spaces a token next to one
     character a token made the longest of two inputs that fit (1,000 and 1,900 tokens)
