@@ -24,11 +24,18 @@ from backends.health import HealthProber, probe_all
 from backends.scrape import scrape_loop
 from gateway.background import keep_running
 from gateway.config_watch import watch_config_file
+from gateway.cors import LiveCors
 from gateway.drain import Drain
-from gateway.errors import GatewayError, NotFound, error_body, openai_error_response
+from gateway.errors import (
+    GatewayError,
+    InternalError,
+    NotFound,
+    error_body,
+    openai_error_response,
+)
 from gateway.front import Front
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import RequestIdMiddleware
+from gateway.middleware import REQUEST_ID_SCOPE_KEY, RequestIdMiddleware
 from gateway.pacer import Pacer
 from gateway.recording import SETTLE_S, Recorder
 from gateway.routes import ROUTES
@@ -100,6 +107,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return Response(
         body, status_code=exc.status_code, media_type="application/json", headers=exc.headers
     )
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """Starlette's answer to what a route did not expect, in the shape of the proxied
+    endpoints' (``gateway/front.py``); Starlette re-raises, so it is logged with its
+    traceback. Its middleware runs outside the request id's, so the id is put back here."""
+    request_id = request.scope.get(REQUEST_ID_SCOPE_KEY)
+    error = InternalError(headers={"x-request-id": request_id} if request_id else None)
+    return openai_error_response(error)
 
 
 def _keep_out_of_full_collections() -> None:
@@ -196,11 +212,17 @@ def create_app(
             runtime.recorder.flush()
 
     return Front(
-        Starlette(
-            routes=ROUTES,
-            middleware=[Middleware(RequestIdMiddleware)],
-            exception_handlers={GatewayError: _gateway_error, HTTPException: _http_error},
-            lifespan=lifespan,
+        LiveCors(
+            Starlette(
+                routes=ROUTES,
+                middleware=[Middleware(RequestIdMiddleware)],
+                exception_handlers={
+                    GatewayError: _gateway_error,
+                    HTTPException: _http_error,
+                    Exception: _internal_error,
+                },
+                lifespan=lifespan,
+            )
         )
     )
 

@@ -37,6 +37,16 @@ class GatewayError(Exception):
         return error_body(self.message, self.error_type, self.param, self.code)
 
 
+class InternalError(GatewayError):
+    """What the gateway did not expect, wherever it was caught: the handler, Starlette's
+    routes, or the HTTP protocol when the app failed before answering."""
+
+    code = "internal_error"
+
+    def __init__(self, *, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__("the gateway failed to handle this request", headers=headers)
+
+
 class InvalidRequest(GatewayError):
     status = 400
     error_type = "invalid_request_error"

@@ -5,9 +5,10 @@ front of a handler (error middleware, request-id middleware, exception
 middleware, router, request/response wrapper, each with its own ``send``
 wrapper) cost about a third of a short proxied request's CPU. So ``Front``
 takes ``POST`` on those paths itself, as a plain ASGI callable, and does what
-that stack did for them: the request id, OpenAI-style errors rendered once, a
-500 in the same shape for anything unexpected. Everything else (models, health,
-admin, metrics, wrong methods, unknown paths, lifespan) goes to Starlette.
+that stack did for them: the request id, CORS headers (``gateway/cors.py``),
+OpenAI-style errors rendered once, a 500 in the same shape for anything unexpected.
+Everything else (models, health, admin, metrics, preflights, wrong methods, unknown
+paths, lifespan) goes to Starlette.
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ from collections.abc import Awaitable, Mapping, Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.cors import RawHeaders, origin_rules, with_cors
 from gateway.disconnect import DisconnectWatch
-from gateway.errors import GatewayError, PayloadTooLarge, Unauthorized, openai_error_response
+from gateway.errors import (
+    GatewayError,
+    InternalError,
+    PayloadTooLarge,
+    Unauthorized,
+    openai_error_response,
+)
 from gateway.middleware import StampedSend, request_id_from
 from gateway.payload import REQUIRED_FIELD, parse_payload
 from gateway.protocol import ARRIVED_SCOPE_KEY
@@ -67,6 +75,22 @@ class Reply(StampedSend):
             self.started = True
         elif not message.get("more_body", False) and self.watch is not None:
             self.watch.finished = True
+        return super().__call__(message)
+
+
+class CorsReply(Reply):
+    """A reply to a request that named an ``Origin``: its start carries the gateway's CORS
+    headers. A class of its own, so a reply to one without costs not even the check."""
+
+    __slots__ = ("cors",)
+
+    def __init__(self, send: Send, request_id: str, cors: RawHeaders) -> None:
+        super().__init__(send, request_id)
+        self.cors = cors
+
+    def __call__(self, message: Message) -> Awaitable[None]:
+        if message["type"] == "http.response.start":
+            message["headers"] = with_cors(message.get("headers", ()), self.cors)
         return super().__call__(message)
 
 
@@ -125,8 +149,13 @@ async def serve_proxied(scope: Scope, receive: Receive, send: Send) -> None:
     received = scope.get(ARRIVED_SCOPE_KEY) or time.perf_counter()
     headers = header_map(scope["headers"])
     request_id = request_id_from(headers.get("x-request-id"))
-    reply = Reply(send, request_id)
     runtime: Runtime = scope["state"]["runtime"]
+    origin = headers.get("origin")
+    if origin is None:
+        reply = Reply(send, request_id)
+    else:
+        cors = origin_rules(runtime.current.settings.cors).headers(origin)
+        reply = CorsReply(send, request_id, cors)
     endpoint = scope["path"]
     try:
         key_priority = client_priority(runtime, headers)
@@ -162,7 +191,6 @@ async def serve_proxied(scope: Scope, receive: Receive, send: Send) -> None:
         if reply.started:
             raise
         log.exception("request %s failed", request_id)
-        error = GatewayError("the gateway failed to handle this request", code="internal_error")
-        await openai_error_response(error)(scope, receive, reply)
+        await openai_error_response(InternalError())(scope, receive, reply)
     finally:
         watch.close()

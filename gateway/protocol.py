@@ -1,6 +1,7 @@
 """uvicorn's httptools protocol, stamping when a request's first bytes were read,
-refusing request heads too large or too slow to be honest, cutting clients that stop
-reading, and writing a response's head with the bytes that follow it."""
+refusing request heads too large or too slow to be honest and bodies that stall,
+cutting clients that stop reading, answering an app's failure in OpenAI's shape,
+and writing a response's head with the bytes that follow it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import time
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from gateway.errors import InternalError
 from gateway.settings import ListenConfig
 
 log = logging.getLogger("kneecap")
@@ -56,6 +58,30 @@ _HEAD_TIMEOUT = _refusal(
     "request line and headers not received in time",
     "request_timeout",
 )
+
+_BODY_TIMEOUT = _refusal(
+    b"408 Request Timeout",
+    "request body not received in time",
+    "request_timeout",
+)
+# As the proxied endpoints answer what they did not expect (gateway/front.py).
+_INTERNAL_ERROR_BODY = InternalError().body()
+_INTERNAL_ERROR_HEADERS = [
+    (b"content-type", b"application/json"),
+    (b"content-length", b"%d" % len(_INTERNAL_ERROR_BODY)),
+    (b"connection", b"close"),  # as uvicorn's own 500: what failed may have left the stream bad
+]
+
+
+class _Cycle(RequestResponseCycle):
+    """uvicorn's request cycle, whose 500 (the app raised, or returned, before answering)
+    is an OpenAI error rather than a line of plain text no SDK can parse."""
+
+    async def send_500_response(self) -> None:
+        await self.send(
+            {"type": "http.response.start", "status": 500, "headers": _INTERNAL_ERROR_HEADERS}
+        )
+        await self.send({"type": "http.response.body", "body": _INTERNAL_ERROR_BODY})
 
 
 class _HeadTooLarge(Exception):
@@ -135,6 +161,8 @@ class GatewayProtocol(HttpToolsProtocol):
     _head_too_large = False
     _head_timer: asyncio.TimerHandle | None = None  # a head that began must end by then
     _send_timer: asyncio.TimerHandle | None = None  # the client must read by then
+    _body_timer: asyncio.TimerHandle | None = None  # a body must have gone on by then
+    _body_read_at = 0.0  # loop time of the last read that left a body unfinished
     held_head: HeadWithBody | None = None  # a response head waiting for its body
 
     def flush_held_head(self) -> None:
@@ -156,10 +184,10 @@ class GatewayProtocol(HttpToolsProtocol):
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._head_timer, self._send_timer):
+        for timer in (self._head_timer, self._send_timer, self._body_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._send_timer = None
+        self._head_timer = self._send_timer = self._body_timer = None
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
@@ -182,8 +210,10 @@ class GatewayProtocol(HttpToolsProtocol):
                 raise _HeadTooLarge  # httptools makes it a parser error: uvicorn's 400 path
         previous = self.cycle
         super().on_headers_complete()
-        if self.cycle is not previous:  # the same: an upgrade, which uvicorn handles itself
-            self.cycle.transport = HeadWithBody(self.transport, self.loop, self)  # type: ignore[assignment]
+        cycle = self.cycle
+        if cycle is not previous:  # the same: an upgrade, which uvicorn handles itself
+            cycle.__class__ = _Cycle  # uvicorn builds it; one pointer makes it ours
+            cycle.transport = HeadWithBody(self.transport, self.loop, self)  # type: ignore[assignment]
 
     def _parsed_head_bytes(self) -> int:
         """The head's bytes parsed so far past the method, each separator counted once."""
@@ -209,6 +239,8 @@ class GatewayProtocol(HttpToolsProtocol):
             return
         if self._heading:  # rare: a head split across reads
             self._head_left_unfinished()
+        elif self.cycle is not None and self.cycle.more_body:  # rare: a body split across reads
+            self._body_left_unfinished()
 
     def _head_left_unfinished(self) -> None:
         """A read ended inside a head: count it, so that one that never ends is held to at
@@ -239,6 +271,41 @@ class GatewayProtocol(HttpToolsProtocol):
         self._heading = False
         self.flush_held_head()
         self.transport.write(_HEAD_TIMEOUT)
+        self.transport.close()
+
+    def _body_left_unfinished(self) -> None:
+        """A read ended inside a body: the next must come within ``body_timeout_s`` (nginx's
+        client_body_timeout). Reads only note their time; the one timer, when it fires,
+        looks whether one came since, so a body in a thousand reads sets no thousand timers.
+
+        Also after an answer sent before the body ended (a 413), when ``more_body`` stays
+        set: uvicorn's keep-alive timer, cancelled by these reads, would not come back."""
+        self._body_read_at = now = self.loop.time()
+        if self._body_timer is None:
+            timeout = self._listen().body_timeout_s
+            self._body_timer = self.loop.call_at(now + timeout, self._body_timed_out)
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing() or self._heading or not cycle.more_body:
+            return  # the body ended; a head being read has its own timer
+        now = self.loop.time()
+        if self.flow.read_paused or cycle.waiting_for_100_continue:
+            # The gateway is not reading (the app has not taken what came, or the request
+            # waits behind another), or has not asked for the body yet: its wait, not the client's.
+            self._body_read_at = now
+        timeout = self._listen().body_timeout_s
+        deadline = self._body_read_at + timeout
+        if deadline > now:
+            self._body_timer = self.loop.call_at(deadline, self._body_timed_out)
+            return
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.info("%s sent no more of its request body for %g s: connection closed", client, timeout)
+        self.flush_held_head()
+        if not cycle.response_started:  # else an answer is under way: only the close is left
+            self.transport.write(_BODY_TIMEOUT)
+        # The app's wait for the body ends as for any client gone: connection_lost tells it.
         self.transport.close()
 
     def _read_on_without_upgrade(self, rest: bytes) -> None:

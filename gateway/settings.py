@@ -58,6 +58,9 @@ class ListenConfig(Frozen):
     # How long a request line and headers may take to arrive once begun: a head that trickles
     # in would hold its connection (a file descriptor) for good.
     head_timeout_s: float = Field(30.0, gt=0)
+    # How long a request body may pause between reads once its head is in, like nginx's
+    # client_body_timeout: a body that never finishes would hold its connection for good.
+    body_timeout_s: float = Field(60.0, gt=0)
 
 
 class SimConfig(Frozen):
@@ -358,6 +361,21 @@ class AuthConfig(Frozen):
         return tuple(keys)
 
 
+class CorsConfig(Frozen):
+    """Cross-origin access for browser clients, with vLLM's defaults (its
+    ``--allowed-origins``, ``--allowed-methods``, ``--allowed-headers`` and
+    ``--allow-credentials``), so a browser app that worked against the engine works here.
+    The keys are bearer tokens, not cookies, so any origin is no wider than the keys."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    # Response headers a browser script may read. vLLM exposes none; these let a browser
+    # SDK honour a 429's Retry-After and report the request id.
+    expose_headers: tuple[str, ...] = ("retry-after", "x-request-id")
+
+
 DEFAULT_MAX_CONNECTIONS = 1024
 
 DEFAULT_POOLS: dict[str, dict[str, int]] = {
@@ -382,6 +400,7 @@ class Settings(BaseSettings):
     admission: AdmissionConfig = AdmissionConfig()
     measurement: MeasurementConfig = MeasurementConfig()
     routing: RoutingConfig = RoutingConfig()
+    cors: CorsConfig = CorsConfig()
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     watch_config: bool = False
 
