@@ -18,8 +18,8 @@ import httpx
 
 from backends.pool import BackendSet
 from backends.replica import Replica
+from gateway.overload import GatewayOutOfResources, shortage_hint
 from gateway.settings import HealthConfig
-from gateway.upstream import GatewayOutOfResources
 
 log = logging.getLogger("kneecap.health")
 
@@ -73,10 +73,11 @@ async def probe_all(
             # The gateway could not even ask: the backend keeps its last verdict (none
             # yet, for a new one), rather than go DOWN for the gateway's own limit.
             log.warning(
-                "could not probe backend %s: %s; the gateway's own limit (open files: "
-                "ulimit -n, or memory), not the backend's fault; its health is left as it was",
+                "could not probe backend %s: %s; the gateway's own limit (%s), not the "
+                "backend's fault; its health is left as it was",
                 replica.name,
                 exc,
+                shortage_hint(exc),
             )
             return
         except Exception:  # whatever one backend answers must not stop the others' probes

@@ -22,13 +22,12 @@ from gateway.errors import (
 from gateway.front import PROXIED_PATHS, ProxiedEndpoint, bearer, client_priority, read_body
 from gateway.metrics import render
 from gateway.middleware import REQUEST_ID_SCOPE_KEY
+from gateway.overload import GatewayOutOfResources, gateway_overloaded
 from gateway.payload import load_json
 from gateway.placement import least_busy, upstream_identity
-from gateway.proxy import gateway_overloaded
 from gateway.routing import token_limit_of
 from gateway.runtime import Runtime
 from gateway.settings import Settings
-from gateway.upstream import GatewayOutOfResources
 
 
 def runtime_of(request: Request) -> Runtime:
@@ -82,7 +81,8 @@ async def tokenize(request: Request) -> Response:
             replica.url + "/tokenize", content=body, headers=headers, timeout=timeout
         )
     except (GatewayOutOfResources, httpx.PoolTimeout) as exc:
-        raise gateway_overloaded(replica, request_id, exc) from exc
+        warning = runtime.transport.overload_warning
+        raise gateway_overloaded(warning, replica, request_id, exc) from exc
     except httpx.HTTPError as exc:
         raise UpstreamError(f"backend {replica.name} failed: {type(exc).__name__}: {exc}") from exc
     return Response(

@@ -7,7 +7,6 @@ mappings as JSON, e.g. ``KNEECAP_AUTH__API_KEYS='["k1"]'``).
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -17,6 +16,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from pydantic_settings.exceptions import SettingsError
 
 from gateway.config_file import ConfigError, format_validation_error, read_config_file
+from policies.base import refuse_yes_or_no_for_numbers
 from policies.knee import KneeLimitConfig
 from policies.registry import LimitConfig
 
@@ -30,19 +30,8 @@ class Frozen(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_yes_or_no_for_a_number(cls, data: Any) -> Any:
-        # pydantic reads `true`/`false` as 1/0 where a number is due: `port: false` bound
-        # a random port, `max_queue_depth: false` shed every queued request.
-        if isinstance(data, dict):
-            for name, value in data.items():
-                if isinstance(value, bool) and name in _numeric_fields(cls):
-                    raise ValueError(f"`{name}` must be a number, got {str(value).lower()}")
-        return data
-
-
-@functools.cache
-def _numeric_fields(model: type[BaseModel]) -> frozenset[str]:
-    numbers = (int, float, int | None, float | None)
-    return frozenset(name for name, f in model.model_fields.items() if f.annotation in numbers)
+        # `port: false` bound a random port, `max_queue_depth: false` shed every queued request.
+        return refuse_yes_or_no_for_numbers(cls, data)
 
 
 class ListenConfig(Frozen):

@@ -16,305 +16,22 @@ them to the client in one go; nothing waits to be merged.
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import httpcore
-import httptools
 import httpx
 
-_Origin = tuple[str, int]
-_HIGH_WATER = 256 * 1024  # buffered body bytes before the socket stops being read
-# What ``socket()``/``connect()`` fail with when the gateway's own process or host has run
-# out: descriptors (``ulimit -n``, the system's table), socket buffers, kernel memory.
-_LOCAL_SHORTAGES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-
-
-class GatewayOutOfResources(httpx.ConnectError):
-    """The gateway could not connect for want of its own resources (file descriptors,
-    socket buffers, memory): no fault of the backend, which any other would share.
-
-    An ``httpx.ConnectError`` still, so a caller that knows no better (a metrics scrape)
-    takes it as the failed call it is; the proxy and the health probe tell it apart."""
-
-
-def _local_shortage(exc: BaseException) -> OSError | None:
-    """The ``OSError`` of a local shortage behind ``exc`` (httpx's own transport chains the
-    original under its ``ConnectError``), if any."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in _LOCAL_SHORTAGES:
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-class _Connection(asyncio.Protocol):
-    """One HTTP/1.1 connection; one request at a time."""
-
-    def __init__(self, origin: _Origin) -> None:
-        self.origin = origin
-        self.loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.used = False  # has served a request: a failure may be a stale keep-alive
-        self.counted = True  # holds one of the pool's ``max_connections`` slots
-        self.idle = False  # in the pool, no request on it
-        self.idle_since = 0.0  # loop time it was last put in the pool
-        self.timer: asyncio.TimerHandle | None = None
-        self.deadline = 0.0
-        self.paused = False
-        self._reset()
-
-    def _reset(self) -> None:
-        # A fresh parser per request: whatever a misbehaving backend sent beyond its
-        # last answer cannot become the start of the next one.
-        self.parser = httptools.HttpResponseParser(self)
-        self._resume()  # an answer may have completed, paused, while nobody read it
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.framed = False  # content-length or chunked: the end is not the close
-        self.interim = False  # parsing a 1xx response: the real one follows
-        self.head_done = False
-        self.keep_alive = False
-        self.complete = False
-        self.received = False
-        self.chunks: deque[bytes] = deque()
-        self.buffered = 0
-        self.error: Exception | None = None
-        self.waiter: asyncio.Future[None] | None = None
-
-    # -- asyncio.Protocol -------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        if self.idle or self.complete:
-            # Bytes after the answer, that nobody asked for: kept, they could be read
-            # as the next request's answer. The connection is not reused.
-            self.close()
-            return
-        self.received = True
-        try:
-            self.parser.feed_data(data)
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            # An upgrade (101) is no answer to a proxied POST either.
-            self._fail(httpcore.RemoteProtocolError(f"invalid HTTP response: {exc!r}"))
-            self.close()
-
-    def eof_received(self) -> bool:
-        return False  # close the transport
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.transport = None
-        if self.head_done and not self.complete and not self.framed:
-            if exc is None:
-                self.on_message_complete()  # a body delimited by the close
-            else:  # a reset is no close: the body was cut, not ended
-                self._fail(
-                    httpcore.ReadError(f"connection lost before the end of the body: {exc!r}")
-                )
-        elif not self.complete:
-            what = "response headers" if not self.head_done else "complete message body"
-            self._fail(httpcore.RemoteProtocolError(f"peer closed connection without {what}"))
-
-    # -- httptools callbacks ----------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        if self.complete:  # more after the answer, in the same read: as above
-            raise httptools.HttpParserError("bytes after the complete response")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-        lowered = name.lower()
-        if lowered == b"content-length" or lowered == b"transfer-encoding":
-            self.framed = True
-
-    def on_headers_complete(self) -> None:
-        status = self.parser.get_status_code()
-        if 100 <= status < 200:
-            # An interim answer (100 Continue, 103 Early Hints): not the response.
-            self.interim = True
-            self.headers = []
-            self.framed = False
-            return
-        self.status = status
-        self.keep_alive = self.parser.should_keep_alive()  # reads False once complete
-        self.head_done = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
-        self.buffered += len(body)
-        if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        if self.interim:
-            self.interim = False
-            return
-        self.complete = True
-        self._wake()
-
-    # -- used by the transport and the body stream ----------------------------
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _fail(self, error: Exception) -> None:
-        self.error = error
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(error)
-
-    async def wait(self, limit_s: float | None) -> None:
-        """Until the parser made progress, the connection failed, or ``limit_s`` passed.
-
-        One timer per connection, re-armed only when it fires early, instead of a
-        timer made and cancelled for every chunk of a stream. A timer left by an
-        earlier wait with a longer limit (a health probe's, or the read timeout before
-        a reload) would fire late: a deadline before it moves it forward.
-        """
-        if self.error is not None:
-            raise self.error
-        self.waiter = waiter = self.loop.create_future()
-        if limit_s is None:
-            self.deadline = float("inf")  # a timer still armed by an earlier wait lets go
-        else:
-            self.deadline = deadline = self.loop.time() + limit_s
-            timer = self.timer
-            if timer is None or deadline < timer.when():
-                if timer is not None:
-                    timer.cancel()
-                self.timer = self.loop.call_at(deadline, self._check_deadline)
-        try:
-            await waiter
-        finally:
-            self.waiter = None
-
-    def _check_deadline(self) -> None:
-        self.timer = None
-        waiter = self.waiter
-        if waiter is None or waiter.done():
-            return  # not waiting now: the next wait arms the timer again
-        if self.loop.time() >= self.deadline:
-            waiter.set_exception(httpcore.ReadTimeout("timed out waiting for the upstream"))
-        elif self.deadline != float("inf"):
-            self.timer = self.loop.call_at(self.deadline, self._check_deadline)
-
-    def take(self) -> bytes:
-        """Every body byte buffered so far, as one chunk."""
-        chunks = self.chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self.buffered = 0
-        self._resume()
-        return data
-
-    def _resume(self) -> None:
-        if self.paused and self.transport is not None:
-            self.transport.resume_reading()
-        self.paused = False
-
-    def reusable(self) -> bool:
-        return self.complete and self.keep_alive and not self.closed
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.closed = True
-
-
-class _Body(httpx.AsyncByteStream):
-    def __init__(self, pool: UpstreamTransport, conn: _Connection, read_timeout: float | None):
-        self._pool = pool
-        self._conn = conn
-        self._read_timeout = read_timeout
-        self._released = False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        conn = self._conn
-        try:
-            while True:
-                if conn.chunks:
-                    yield conn.take()
-                elif conn.complete:
-                    return
-                else:
-                    await conn.wait(self._read_timeout)
-        except httpcore.ReadTimeout as exc:
-            raise httpx.ReadTimeout(str(exc)) from exc
-        except httpcore.RemoteProtocolError as exc:
-            raise httpx.RemoteProtocolError(str(exc)) from exc
-        except httpcore.ReadError as exc:
-            raise httpx.ReadError(str(exc)) from exc
-
-    def close_nowait(self) -> bool:
-        """Gives the connection back (to the pool, or closed) at once; never waits."""
-        if not self._released:
-            self._released = True
-            self._pool._release(self._conn)
-        return True
-
-    async def aclose(self) -> None:
-        self.close_nowait()
-
-
-class _HttpxBody:
-    """An ``httpx.Response``'s body (the ``https://`` path) behind the same interface."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        self._response = response
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._response.aiter_raw()
-
-    def close_nowait(self) -> bool:
-        return False  # httpx's close must be awaited
-
-    async def aclose(self) -> None:
-        await self._response.aclose()
-
-
-class UpstreamResponse:
-    """A proxied request's answer: status, raw headers, and the body as it arrives.
-
-    Lighter than ``httpx.Response`` (no header parsing, no decoder and chunker
-    generators around each body chunk), which the relay pays for per token.
-    """
-
-    __slots__ = ("_body", "raw_headers", "status_code")
-
-    def __init__(
-        self, status_code: int, raw_headers: list[tuple[bytes, bytes]], body: _Body | _HttpxBody
-    ) -> None:
-        self.status_code = status_code
-        self.raw_headers = raw_headers
-        self._body = body
-
-    def aiter_raw(self) -> AsyncIterator[bytes]:
-        return self._body.__aiter__()
-
-    async def aread(self) -> bytes:
-        return b"".join([chunk async for chunk in self._body])
-
-    def close_nowait(self) -> bool:
-        """Closes the body now when that needs no waiting (the plain-HTTP path)."""
-        return self._body.close_nowait()
-
-    async def aclose(self) -> None:
-        await self._body.aclose()
+from gateway.overload import (
+    LOCAL_SHORTAGES,
+    GatewayOutOfResources,
+    describe,
+    local_shortage,
+    overload_warning,
+)
+from gateway.upstream_connection import Connection, Origin
+from gateway.upstream_response import HttpxBody, PooledBody, UpstreamResponse
 
 
 class UpstreamTransport(httpx.AsyncBaseTransport):
@@ -323,11 +40,14 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
     def __init__(self, *, max_connections: int, tls: httpx.AsyncBaseTransport | None = None):
         self._max = max_connections  # a reload changes it: :meth:`resize`
         self._open = 0
-        self._idle: dict[_Origin, deque[_Connection]] = {}
+        self._idle: dict[Origin, deque[Connection]] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._tls = tls or httpx.AsyncHTTPTransport(
             limits=httpx.Limits(max_connections=max_connections)
         )
+        # Every call through this pool that found the gateway short is warned of here:
+        # throttled, as a burst of them would flood the log.
+        self.overload_warning = overload_warning()
 
     def resize(self, max_connections: int) -> None:
         """The pool's new bound (a reload). Raised, requests waiting for a connection go
@@ -354,7 +74,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         return httpx.Response(
             conn.status,
             headers=conn.headers,
-            stream=_Body(self, conn, timeouts.get("read")),
+            stream=PooledBody(self, conn, timeouts.get("read")),
             extensions={"http_version": b"HTTP/1.1"},
             request=request,
         )
@@ -382,9 +102,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 "POST", url, content=body, headers=_parse_fields(fields), extensions=extensions
             )
             response = await self._via_tls(request)
-            return UpstreamResponse(
-                response.status_code, response.headers.raw, _HttpxBody(response)
-            )
+            return UpstreamResponse(response.status_code, response.headers.raw, HttpxBody(response))
         origin, host, path = target
         head = b"".join(
             (
@@ -400,25 +118,27 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             )
         )
         conn = await self._exchange(origin, head, body, timeouts, on_wire)
-        return UpstreamResponse(conn.status, conn.headers, _Body(self, conn, timeouts.get("read")))
+        return UpstreamResponse(
+            conn.status, conn.headers, PooledBody(self, conn, timeouts.get("read"))
+        )
 
     async def _via_tls(self, request: httpx.Request) -> httpx.Response:
         try:
             return await self._tls.handle_async_request(request)
         except httpx.ConnectError as exc:
-            shortage = _local_shortage(exc)
+            shortage = local_shortage(exc)
             if shortage is None:
                 raise
-            raise GatewayOutOfResources(_describe(shortage)) from exc
+            raise GatewayOutOfResources(describe(shortage)) from exc
 
     async def _exchange(
         self,
-        origin: _Origin,
+        origin: Origin,
         head: bytes,
         body: bytes,
         timeouts: dict[str, float | None],
         on_wire: Callable[[bool], None] | None = None,
-    ) -> _Connection:
+    ) -> Connection:
         """Sends the request on a pooled connection; returns it once the head is in."""
         for attempt in range(2):
             conn = await self._acquire(origin, timeouts)
@@ -450,7 +170,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             return conn
         raise AssertionError("unreachable")
 
-    async def _acquire(self, origin: _Origin, timeouts: dict[str, float | None]) -> _Connection:
+    async def _acquire(self, origin: Origin, timeouts: dict[str, float | None]) -> Connection:
         idle = self._idle.get(origin)
         while idle:
             conn = idle.pop()  # most recently used: the warmest
@@ -476,16 +196,16 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             self._wake_one()
             raise
 
-    async def _connect(self, origin: _Origin, connect_s: float | None) -> _Connection:
+    async def _connect(self, origin: Origin, connect_s: float | None) -> Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_s):
-                _, conn = await loop.create_connection(lambda: _Connection(origin), *origin)
+                _, conn = await loop.create_connection(lambda: Connection(origin), *origin)
         except TimeoutError as exc:
             raise httpx.ConnectTimeout(f"connecting to {origin[0]}:{origin[1]} timed out") from exc
         except OSError as exc:
-            local = exc.errno in _LOCAL_SHORTAGES
-            raise (GatewayOutOfResources if local else httpx.ConnectError)(_describe(exc)) from exc
+            local = exc.errno in LOCAL_SHORTAGES
+            raise (GatewayOutOfResources if local else httpx.ConnectError)(describe(exc)) from exc
         return conn
 
     async def _wait_for_room(self, pool_s: float | None) -> None:
@@ -515,7 +235,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 waiter.set_result(None)
                 return
 
-    def _release(self, conn: _Connection) -> None:
+    def release(self, conn: Connection) -> None:
         if conn.reusable() and self._open <= self._max:
             conn.idle = True
             conn.idle_since = conn.loop.time()
@@ -525,7 +245,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             return
         self._wake_one()
 
-    def _discard(self, conn: _Connection, wake: bool = True) -> None:
+    def _discard(self, conn: Connection, wake: bool = True) -> None:
         conn.close()
         if conn.counted:
             conn.counted = False
@@ -570,7 +290,7 @@ def _on_body_sent(on_wire: Callable[[bool], None]) -> Callable[[str, dict], Awai
 
 
 @functools.lru_cache(maxsize=1024)
-def _target(url: str) -> tuple[_Origin, bytes, bytes] | None:
+def _target(url: str) -> tuple[Origin, bytes, bytes] | None:
     """(origin, Host value, request target) of a plain-HTTP URL; None for any other scheme."""
     parsed = httpx.URL(url)
     if parsed.scheme != "http":
@@ -578,10 +298,6 @@ def _target(url: str) -> tuple[_Origin, bytes, bytes] | None:
     port = parsed.port or 80
     host = parsed.raw_host + (b":%d" % parsed.port if parsed.port else b"")
     return (parsed.host, port), host, parsed.raw_path
-
-
-def _describe(exc: OSError) -> str:
-    return f"[Errno {exc.errno}] {exc.strerror}"
 
 
 def _parse_fields(fields: bytes) -> list[tuple[bytes, bytes]]:

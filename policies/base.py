@@ -8,8 +8,9 @@ its own (time arrives inside each :class:`Sample`), no I/O. Enforcing the limit
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -54,6 +55,12 @@ class LimitBounds(BaseModel):
     min: int = Field(default=1, ge=1)
     max: int = Field(default=256, ge=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_yes_or_no_for_a_number(cls, data: Any) -> Any:
+        # `initial: true` held the backend at one request, `max_step: false` froze the limit.
+        return refuse_yes_or_no_for_numbers(cls, data)
+
     @model_validator(mode="after")
     def _ordered(self) -> Self:
         if not self.min <= self.initial <= self.max:
@@ -65,3 +72,19 @@ class LimitBounds(BaseModel):
     def clamp(self, value: float) -> int:
         """``value`` rounded down and kept within [min, max]."""
         return max(self.min, min(self.max, int(value)))
+
+
+def refuse_yes_or_no_for_numbers(model: type[BaseModel], data: Any) -> Any:
+    """A ``mode="before"`` check for config models: pydantic reads ``true``/``false`` as
+    1/0 where a number is due, and a YAML slip then configures a number nobody chose."""
+    if isinstance(data, dict):
+        for name, value in data.items():
+            if isinstance(value, bool) and name in _numeric_fields(model):
+                raise ValueError(f"`{name}` must be a number, got {str(value).lower()}")
+    return data
+
+
+@functools.cache
+def _numeric_fields(model: type[BaseModel]) -> frozenset[str]:
+    numbers = (int, float, int | None, float | None)
+    return frozenset(name for name, f in model.model_fields.items() if f.annotation in numbers)

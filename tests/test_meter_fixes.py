@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from gateway.meter import StreamMeter
-from gateway.proxy import _several_sequences
+from gateway.proxy_request import several_sequences
 from tests.procs import Gateway, Proc, served, start_gateway, start_raw_sse
 from tests.raw_sse_backend import MODEL
 from tests.test_proxy_wire import new_id, record_of
@@ -230,7 +230,7 @@ def test_n_in_any_spelling_vllm_reads_is_metered_per_sequence(gw: Gateway, n: An
     ],
 )
 def test_n_is_read_as_a_lax_integer(n: Any, several: bool) -> None:
-    assert _several_sequences({"messages": [], "n": n}) is several
+    assert several_sequences({"messages": [], "n": n}) is several
 
 
 class Clock:

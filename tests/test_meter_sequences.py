@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.meter import StreamMeter
-from gateway.proxy import _several_sequences
+from gateway.proxy_request import several_sequences
 
 
 def chunk(index: int, content: str | None = None, finish: str | None = None, **extra: Any) -> bytes:
@@ -113,4 +113,4 @@ def test_a_second_sequence_finishing_without_output_does_not_set_the_reason() ->
     ],
 )
 def test_which_requests_may_stream_several_sequences(payload: dict, several: bool) -> None:
-    assert _several_sequences(payload) is several
+    assert several_sequences(payload) is several

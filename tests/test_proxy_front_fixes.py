@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.proxy import ProxyRequest, _prepare_stream
+from gateway.proxy_request import ProxyRequest, prepare_stream
 from gateway.upstream import UpstreamTransport
 from tests.procs import Proc, backend, start_gateway, wait_until
 from tests.test_ops_robustness import counts, start_ops_backend
@@ -254,14 +254,14 @@ def _streamed(body: bytes) -> ProxyRequest:
 def test_a_utf8_body_keeps_its_bytes_and_gets_the_key_spliced_on() -> None:
     body = b'{"model": "m",  "messages": [], "stream": true}  \n'
     request = _streamed(body)
-    assert _prepare_stream(request)
+    assert prepare_stream(request)
     assert request.body == body.rstrip()[:-1] + b',"stream_options":{"include_usage":true}}'
 
 
 def test_a_utf16_body_with_a_lone_surrogate_is_reserialised_escaped() -> None:
     text = '{"model": "m", "prompt": "\ud800", "stream": true}'  # a raw lone surrogate
     request = _streamed(text.encode("utf-16-be", "surrogatepass"))
-    assert _prepare_stream(request)
+    assert prepare_stream(request)
     assert b"\\ud800" in request.body
     assert json.loads(request.body) == {
         "model": "m",

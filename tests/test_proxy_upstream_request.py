@@ -8,7 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.proxy import ProxyRequest, _prepare_stream, _usage_of
+from gateway.proxy_finish import usage_of
+from gateway.proxy_request import ProxyRequest, prepare_stream
 from tests.procs import Proc, free_port, start_gateway, start_process
 
 MODEL = "echo"
@@ -106,7 +107,7 @@ def prepared(payload: dict, body: bytes | None = None, endpoint: str = "/v1/chat
         request_id="r",
         started=0.0,
     )
-    strip = _prepare_stream(request)
+    strip = prepare_stream(request)
     return strip, request.body
 
 
@@ -171,11 +172,11 @@ USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
     ],
 )
 def test_usage_is_read_from_non_streamed_bodies(body: bytes) -> None:
-    usage = _usage_of(body)
+    usage = usage_of(body)
     assert usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (7, 3)
 
 
 @pytest.mark.parametrize("body", [b"not json", completion("x", None), b'{"usage": [1, 2]}'])
 def test_bodies_without_usable_usage_give_none(body: bytes) -> None:
-    assert _usage_of(body) is None
+    assert usage_of(body) is None

@@ -11,7 +11,7 @@ import httpx
 
 from gateway.meter import StreamMeter
 from gateway.relay import StreamEnd, StreamRelay
-from gateway.upstream import UpstreamResponse
+from gateway.upstream_response import UpstreamResponse
 
 CHUNKS = [
     b'data: {"choices":[{"delta":{"content":"a"},"finish_reason":null}]}\n\n',

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from gateway.perf.backend import MODEL, BackendProtocol
-from gateway.upstream import _HIGH_WATER, UpstreamTransport
+from gateway.upstream import UpstreamTransport
+from gateway.upstream_connection import HIGH_WATER
 from tests.polling import eventually
 
 pytestmark = pytest.mark.anyio
@@ -349,8 +350,8 @@ class _BigAnswer(_Backend):
 
     def data_received(self, data: bytes) -> None:
         type(self).last = self
-        head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (_HIGH_WATER + self.TAIL)
-        self.transport.write(head + b"x" * _HIGH_WATER)
+        head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (HIGH_WATER + self.TAIL)
+        self.transport.write(head + b"x" * HIGH_WATER)
 
     def send_the_tail(self) -> None:
         self.transport.write(b"x" * self.TAIL)
@@ -366,7 +367,7 @@ async def test_a_connection_paused_on_a_whole_unread_answer_reads_again_when_reu
     async with server:
         first = await transport.post(url + "/v1/completions", b"", b"{}", {"read": 5.0})
         conn = first._body._conn  # type: ignore[union-attr]
-        await eventually(lambda: conn.buffered == _HIGH_WATER, "the answer's bulk never arrived")
+        await eventually(lambda: conn.buffered == HIGH_WATER, "the answer's bulk never arrived")
         assert _BigAnswer.last is not None and not conn.paused
         _BigAnswer.last.send_the_tail()
         await eventually(lambda: conn.complete, "the whole answer never arrived")
@@ -376,7 +377,7 @@ async def test_a_connection_paused_on_a_whole_unread_answer_reads_again_when_reu
         assert second.status_code == 200
         assert _BigAnswer.last is not None
         _BigAnswer.last.send_the_tail()
-        assert len(await second.aread()) == _HIGH_WATER + _BigAnswer.TAIL
+        assert len(await second.aread()) == HIGH_WATER + _BigAnswer.TAIL
         await second.aclose()
         assert transport._open == 1  # the same connection, reused
         await transport.aclose()
