@@ -1,16 +1,12 @@
-"""Where a request may go: its prompt estimated, its pools planned, its backend picked.
+"""Where a request may go: its prompt counted, its pools planned, kept up to date.
 
-:func:`plan_route` runs once per request before admission: it estimates the
-prompt's tokens (``gateway.tokens``), refuses at once with 400
+:func:`plan_route` runs once per request before admission: it counts the prompt's
+tokens (``gateway.prompt_count``), refuses at once with 400
 ``context_length_exceeded`` a prompt no backend's context could start, and plans
 the home pool and the pools it may borrow idle headroom from
 (``policies.long_context``), among the replicas whose context holds the requested
-output too when there are any. :func:`make_pick` is the ``pick()`` admission
-calls, each time capacity may have appeared: it turns live replicas into
-:class:`~policies.routing.Load` values, lets the pool's router choose, and
-returns a :class:`~policies.token_budget.Claim` (a permit plus the request's
-tokens, at most what its sequences can hold in that replica's context) on the
-chosen replica.
+output too when there are any. :func:`live_route` plans a waiter again when its home
+lost its replicas. ``gateway.admission_pick`` turns the plan into admission's ``pick()``.
 
 A request's tokens are its prompt plus, for each sequence the engine runs (each
 prompt of a batch, ``n`` times), its maximum output; an embedding has no output,
@@ -19,32 +15,27 @@ and needs no context room beyond its input.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import anyio
-
 from backends.replica import Replica
 from gateway.errors import ContextLengthExceeded, ModelNotFound, Unavailable
-from gateway.routing import load_of, session_of
+from gateway.prompt_count import count_prompt
+from gateway.routing import session_of
 from gateway.runtime import Runtime
 from gateway.settings import Settings
-from gateway.tokens import Estimate, tokenize_on_backend
-from policies.admission import NoHealthyBackend
+from gateway.tokens import Estimate
+from gateway.upstream_identity import Identity
 from policies.long_context import (
     FIRST_TOKEN,
     ContextFit,
     PoolPlan,
-    choose_across_pools,
     context_fit,
     exceeds_every_context,
     plan_pools,
 )
 from policies.prompt_size import PromptShape, output_tokens, shape_of
-from policies.routing import RouteRequest
-from policies.token_budget import Claim
 
 EMBEDDINGS = "/v1/embeddings"  # no output: its input may fill the context
 
@@ -105,77 +96,6 @@ def awaiting_probe(runtime: Runtime, route: Route, tried: set[str]) -> bool:
     )
 
 
-def least_busy(replicas: list[Replica]) -> Replica:
-    """The replica with the most headroom, for calls outside admission (``/tokenize``)."""
-    return min(replicas, key=lambda r: r.in_flight / max(1, r.limit))
-
-
-Identity = Callable[[Replica], list[tuple[bytes, bytes]]]
-
-
-def upstream_identity(
-    raw_headers: Sequence[tuple[bytes, bytes]],
-    request_id: str,
-    replica: Replica,
-    forward_key: bool,
-) -> list[tuple[bytes, bytes]]:
-    """Who a call to a backend is for: the request id, and the backend's key, or else the
-    client's own when the operator forwards it. Every call made for a client request
-    carries them: the proxied one, /tokenize, and the estimator's count on a backend."""
-    fields = [(b"x-request-id", request_id.encode("latin-1"))]
-    key = replica.config.resolved_api_key()
-    if key:
-        fields.append((b"authorization", b"Bearer %s" % key.encode("latin-1")))
-    elif forward_key:
-        fields += [(n, v) for n, v in raw_headers if n == b"authorization"]
-    return fields
-
-
-async def _estimate(
-    runtime: Runtime,
-    payload: Mapping[str, Any],
-    shape: PromptShape,
-    serving: list[Replica],
-    identity: Identity,
-) -> Estimate:
-    settings = runtime.current.settings
-    estimator = settings.routing.estimator
-    model = payload["model"]
-    if estimator.mode == "backend":
-        healthy = [r for r in serving if r.healthy]
-        if healthy:
-            target = least_busy(healthy)
-            counted = await tokenize_on_backend(
-                runtime.client,
-                target.url,
-                payload,
-                headers=identity(target),
-                timeout_s=estimator.tokenize_timeout_s,
-            )
-            if counted is not None:
-                if counted.max_model_len is not None:
-                    target.discovered_max_model_len = counted.max_model_len
-                if shape.texts and shape.longest_size < shape.total_size:
-                    return _whole_batch_counted(runtime, model, shape, counted.count)
-                return Estimate(counted.count, exact=True)
-    if estimator.mode == "tokenizer" and model in estimator.tokenizers:
-        return await anyio.to_thread.run_sync(
-            runtime.routing.estimate_locally, model, shape, settings.routing
-        )
-    return runtime.routing.estimate_locally(model, shape, settings.routing)
-
-
-def _whole_batch_counted(runtime: Runtime, model: str, shape: PromptShape, count: int) -> Estimate:
-    """A batch of texts a backend counted as a whole: exact, but how it splits between
-    the sequences is not known. The longest is at least the count less what the others
-    can be at most: a token per byte (byte-level BPE, byte fallback) and two special
-    tokens each."""
-    most = [len(text.encode("utf-8", "surrogatepass")) + 2 for text in shape.texts]
-    chars = runtime.routing.calibration.estimate_with_floor(model, shape)
-    longest_floor = max(count - sum(most) + max(most), shape.longest_of(chars.fewest))
-    return Estimate(count, exact=False, floor=chars.floor, longest_floor=longest_floor)
-
-
 def _servers(runtime: Runtime, model: str) -> tuple[list[Replica], bool]:
     """The replicas that serve ``model`` or may (see :func:`may_serve`), and whether any
     listed it; 404 when none may."""
@@ -214,7 +134,7 @@ async def plan_route(
         estimate = runtime.routing.estimate_locally(model, shape, routing)
         runtime.recorder.rejected(_pool_by_length(settings, serving, estimate), "no_backend")
         raise Unavailable(f"no healthy backend serves model `{model}`")
-    estimate = await _estimate(runtime, payload, shape, serving, identity)
+    estimate = await count_prompt(runtime, payload, shape, serving, identity)
     if runtime.current is not snapshot:
         # A reload while the prompt was counted (on a backend's /tokenize, in a tokenizer
         # thread): planned on the pools and replicas there are now, not on removed ones.
@@ -360,80 +280,3 @@ def _prompt_param(payload: Mapping[str, Any]) -> str:
         if field in payload:
             return field
     return "prompt"
-
-
-def make_could_use(route: Route, tried: set[str]) -> Callable[[Claim[Replica]], bool]:
-    """Whether this request could be served on a claim's replica: admission lets a request
-    go ahead of waiters only onto replicas none of them could use."""
-    pools = frozenset(route.pools)
-
-    def could_use(claim: Claim[Replica]) -> bool:
-        return claim.backend.pool in pools and route.could_serve(claim.backend, tried)
-
-    return could_use
-
-
-def make_pick(
-    runtime: Runtime, route: Route, tried: set[str]
-) -> Callable[[], Claim[Replica] | None]:
-    """The router for admission: home pool first, then lenders' idle headroom.
-
-    The request waits in its home pool's queue. Should that pool lose every replica that
-    could serve it while it waits, it is planned again (:func:`live_route`): served where
-    a request arriving now would be, behind that pool's own waiters, or refused at once
-    (NoHealthyBackend) when nothing serves it any more."""
-    config = runtime.current.settings.routing
-    request = RouteRequest(cost=route.cost, session=route.session)
-    sequences = route.shape.sequences
-    waits_in = route.plan.home
-
-    def queued(pool: str) -> int:
-        admission = runtime.admissions.get(pool)  # a pool a reload removed has no queue
-        return admission.depth() if admission is not None else 0
-
-    def pick() -> Claim[Replica] | None:
-        # Read the live snapshot each time: a waiter must see replicas readmitted
-        # or added while it queued, and fail fast when none is left.
-        settings = runtime.current.settings
-        mono = time.monotonic()
-        live = route
-        replicas = {pool: candidates(runtime, pool, route, tried) for pool in route.pools}
-        if not replicas[route.plan.home]:  # the common case has some: no more to check
-            live = _still_servable(runtime, route, tried)
-            if live is not route:
-                replicas = {pool: candidates(runtime, pool, live, tried) for pool in live.pools}
-            if not any(replicas.values()) and not awaiting_probe(runtime, live, tried):
-                pools = "`, `".join(live.pools)
-                message = f"no healthy backend in pool `{pools}` serves `{live.model}`"
-                raise NoHealthyBackend(message)
-            # With no candidate at all, it waits for a new replica's first verdict (a probe
-            # round starts at once).
-        chosen = choose_across_pools(
-            live.plan,
-            request,
-            loads=lambda pool: [load_of(r, settings, mono, sequences) for r in replicas[pool]],
-            router=lambda pool: runtime.routing.router(pool, config),
-            queued=queued,
-            max_load=config.spill.max_load,
-            waits_in=waits_in,
-        )
-        if chosen is None:
-            return None
-        pool, load = chosen
-        replica = next(r for r in replicas[pool] if r.name == load.name)
-        return Claim(replica, load.cost_of(route.cost))  # at most its sequences' contexts
-
-    return pick
-
-
-def _still_servable(runtime: Runtime, route: Route, tried: set[str]) -> Route:
-    """The route, planned again if its home lost its replicas; refused when nothing can
-    serve it any more."""
-    live = live_route(runtime, route, tried)
-    if live is not None:
-        return live
-    if not route.listed and not any(
-        may_serve(r, route.model) for r in runtime.current.backends.replicas
-    ):  # it waited for new replicas' first verdicts, and none serves the model
-        raise ModelNotFound(f"The model `{route.model}` does not exist.", param="model")
-    raise NoHealthyBackend(f"no healthy backend serves `{route.model}` for this request")

@@ -18,7 +18,7 @@ from backends.replica import Replica
 from gateway.errors import Unavailable, UpstreamError, UpstreamTimeout
 from gateway.meter import StreamMeter
 from gateway.overload import GatewayOutOfResources, gateway_overloaded
-from gateway.placement import awaiting_probe, candidates, plan_route, upstream_identity
+from gateway.placement import awaiting_probe, candidates, plan_route
 from gateway.proxy_admit import NoRoomToRetry, admit, release_lease
 from gateway.proxy_finish import StreamFinisher, buffered, status_of
 from gateway.proxy_request import (
@@ -32,6 +32,7 @@ from gateway.proxy_request import (
 from gateway.recording import Flight
 from gateway.relay import StreamRelay, WholeAnswer
 from gateway.runtime import Runtime
+from gateway.upstream_identity import upstream_identity
 from gateway.upstream_response import UpstreamResponse
 from policies.admission import Outcome
 

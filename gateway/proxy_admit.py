@@ -4,8 +4,9 @@ released, with the other pools' waiters told of the room."""
 from __future__ import annotations
 
 from backends.replica import Replica
+from gateway.admission_pick import make_could_use, make_pick
 from gateway.errors import GatewayError, RateLimited, Unavailable
-from gateway.placement import Route, make_could_use, make_pick
+from gateway.placement import Route
 from gateway.recording import Flight
 from gateway.runtime import Runtime
 from policies.admission import (

@@ -15,9 +15,9 @@ from typing import Any
 from backends.lax import lax_bool, lax_int
 from backends.replica import Replica
 from gateway.errors import InvalidRequest
-from gateway.placement import upstream_identity
 from gateway.relay import HOP_BY_HOP, connection_options
 from gateway.settings import PoolConfig
+from gateway.upstream_identity import upstream_identity
 from policies.admission import Priority
 
 # Client headers that are the gateway's business, not the backend's. ``expect``: the

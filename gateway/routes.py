@@ -24,10 +24,10 @@ from gateway.metrics import render
 from gateway.middleware import REQUEST_ID_SCOPE_KEY
 from gateway.overload import GatewayOutOfResources, gateway_overloaded
 from gateway.payload import load_json
-from gateway.placement import least_busy, upstream_identity
-from gateway.routing import token_limit_of
+from gateway.routing import least_busy, token_limit_of
 from gateway.runtime import Runtime
 from gateway.settings import Settings
+from gateway.upstream_identity import upstream_identity
 
 
 def runtime_of(request: Request) -> Runtime:

@@ -128,3 +128,8 @@ class RoutingState:
         if path is not None:
             return self.tokenizers.count(path, shape)
         return self.calibration.estimate_with_floor(model, shape)
+
+
+def least_busy(replicas: list[Replica]) -> Replica:
+    """The replica with the most headroom, for calls outside admission (``/tokenize``)."""
+    return min(replicas, key=lambda r: r.in_flight / max(1, r.limit))
