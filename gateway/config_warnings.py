@@ -98,7 +98,15 @@ def _may_share(a: frozenset[str] | None, b: frozenset[str] | None) -> bool:
 
 def config_warnings(settings: Settings) -> list[str]:
     """What loads but is most likely not what was meant."""
-    return shared_engines(settings) + shadowed_pools(settings)
+    return no_backends(settings) + shared_engines(settings) + shadowed_pools(settings)
+
+
+def no_backends(settings: Settings) -> list[str]:
+    # An empty file loads (every key has a default), and a gateway with nothing behind it
+    # answers every proxied request 404: without --config it would have run the simulator.
+    if settings.backends:
+        return []
+    return ["no backends configured: every proxied request will be answered 404 model_not_found"]
 
 
 def _covered(pool: PoolConfig, covers: list[PoolConfig]) -> bool:

@@ -203,7 +203,8 @@ class GatewayProtocol(HttpToolsProtocol):
             self._head_timer = None
         # The head is within the bytes read for it: measured only when those could exceed
         # the limit (a callback per header cost the request path more than the check).
-        if self._head_bytes + self._read > MAX_HEAD_BYTES:
+        # ``>=``: a head begun in this read starts the count at -1.
+        if self._head_bytes + self._read >= MAX_HEAD_BYTES:
             size = len(self.parser.get_method()) + _REQUEST_LINE_BYTES + self._parsed_head_bytes()
             if size > MAX_HEAD_BYTES:
                 self._head_too_large = True

@@ -7,7 +7,10 @@ mappings as JSON, e.g. ``KNEECAP_AUTH__API_KEYS='["k1"]'``).
 
 from __future__ import annotations
 
+import itertools
 import os
+import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -442,6 +445,31 @@ class Settings(BaseSettings):
         return backend.limit if backend.limit is not None else self.admission.limit
 
 
+def _no_list_items_by_index(environ: Mapping[str, str]) -> None:
+    """``KNEECAP_BACKENDS__0__NAME``: pydantic-settings reads it as a mapping where a list is
+    due and says only that a tuple was expected, naming no variable."""
+    for name in environ:
+        if name.startswith(ENV_PREFIX) and _indexes_a_list(name[len(ENV_PREFIX) :].split("__")):
+            raise ConfigError(
+                f"{name}: a list is overridden whole, as JSON (e.g. "
+                f"KNEECAP_BACKENDS='[{{\"name\": ...}}]'), not item by item"
+            )
+
+
+def _indexes_a_list(path: list[str]) -> bool:
+    model: Any = Settings
+    for part, after in itertools.pairwise(path):
+        field = model.model_fields.get(part.lower()) if isinstance(model, type) else None
+        if field is None:
+            return False
+        if typing.get_origin(field.annotation) in (tuple, list):
+            return after.isdigit()
+        model = field.annotation if isinstance(field.annotation, type) else None
+        if model is None or not issubclass(model, BaseModel):
+            return False
+    return False
+
+
 def build_settings(data: dict[str, Any]) -> Settings:
     # YAML allows any scalar as a key; keyword arguments must be strings.
     odd = [repr(key) for key in data if not isinstance(key, str)]
@@ -451,6 +479,7 @@ def build_settings(data: dict[str, Any]) -> Settings:
         # Spelt out, so that an environment override of one pool's knob merges into the
         # default pools rather than replacing them all with that one.
         data = {**data, "pools": {name: dict(pool) for name, pool in DEFAULT_POOLS.items()}}
+    _no_list_items_by_index(os.environ)
     try:
         return Settings(**data)
     except ValidationError as exc:

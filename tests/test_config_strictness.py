@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.config_warnings import config_warnings, shared_engines
+from gateway.config_warnings import config_warnings, shadowed_pools, shared_engines
 from gateway.settings import ConfigError, build_settings, load_settings
 from tests.procs import backend, start_gateway, start_sim
 from tests.test_cli import run_cli
@@ -81,6 +81,15 @@ def test_check_config_prints_the_shared_engine_warning(tmp_path: Path) -> None:
     result = run_cli("check-config", str(path))
     assert result.returncode == 0, result.stderr
     assert "warning: backends a, b are one engine" in result.stderr
+
+
+def test_check_config_warns_of_an_empty_file(tmp_path: Path) -> None:
+    """An empty file loads (every key has a default), and the gateway then serves nothing."""
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    result = run_cli("check-config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "warning: no backends configured" in result.stderr
 
 
 def test_backends_at_other_ports_or_paths_are_not_one_engine() -> None:
@@ -222,7 +231,7 @@ def test_a_pool_an_earlier_one_covers_is_warned_of() -> None:
     # The same pools the other way round are fine, and so are pools without backends.
     flipped = {"long": {"min_prompt_tokens": 2000}, "general": {}}
     assert config_warnings(build_settings({"pools": flipped, "backends": backends})) == []
-    assert config_warnings(build_settings({"pools": pools})) == []
+    assert shadowed_pools(build_settings({"pools": pools})) == []
 
 
 def test_pools_covered_together_are_warned_of_and_pools_per_model_are_not() -> None:
@@ -247,3 +256,20 @@ def test_pools_covered_together_are_warned_of_and_pools_per_model_are_not() -> N
     # A backend that learns its models at run time may share one.
     learnt = config_warnings(build_settings(config(per_model, {"llama": ["l"], "qwen": None})))
     assert len(learnt) == 1
+
+
+@pytest.mark.parametrize("variable", ["KNEECAP_BACKENDS__0__NAME", "KNEECAP_AUTH__API_KEYS__1"])
+def test_a_list_item_set_by_index_from_the_environment_is_refused_by_its_name(
+    monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """pydantic-settings said only "backends: Input should be a valid tuple"."""
+    monkeypatch.setenv(variable, "x")
+    assert f"{variable}: a list is overridden whole, as JSON" in refusal({})
+
+
+def test_a_pool_named_by_digits_may_still_be_set_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KNEECAP_POOLS__1__MAX_QUEUE_DEPTH", "7")
+    pools = build_settings({"pools": {"1": {}}}).pools
+    assert pools["1"].max_queue_depth == 7

@@ -131,6 +131,22 @@ async def test_a_heads_separators_count_towards_its_limit(headers: int, status: 
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(("size", "status"), [(MAX_HEAD_BYTES, 200), (MAX_HEAD_BYTES + 1, 431)])
+async def test_a_head_of_one_byte_over_the_limit_in_one_read_is_refused(
+    size: int, status: int
+) -> None:
+    """Counted from -1 in the read it began in, a head one byte over went unmeasured."""
+    start = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-pad: "
+    end = b"\r\ncontent-length: 0\r\n\r\n"
+    head = start + b"p" * (size - len(start) - len(end)) + end
+    assert len(head) == size
+    async with front() as (_, reader, writer):
+        writer.write(head)
+        got = answers(await asyncio.wait_for(reader.read(), 10))
+    assert [answer[0] for answer in got] == [status]
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize(
     "request_bytes",
     [
