@@ -25,7 +25,7 @@ from backends.scrape import scrape_loop
 from gateway.background import keep_running
 from gateway.config_watch import watch_config_file
 from gateway.cors import LiveCors
-from gateway.drain import Drain
+from gateway.drain import DRAIN_STATE_KEY, Drain
 from gateway.errors import (
     GatewayError,
     InternalError,
@@ -136,7 +136,7 @@ def create_app(
     drain: Drain | None = None,
 ) -> Front:
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Runtime]]:
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Runtime | Drain | None]]:
         # Two pools. The traffic's is bounded by ``upstream.max_connections`` and also
         # carries /tokenize, which requests cause (and which may fall back to an estimate):
         # the more requests, the more of it. Probes and scrapes get their own, so a pool
@@ -199,7 +199,8 @@ def create_app(
                 _install_sighup(runtime)
                 _keep_out_of_full_collections()
                 try:
-                    yield {"runtime": runtime}
+                    # The drain reaches the streams through each request's state: it cuts them.
+                    yield {"runtime": runtime, DRAIN_STATE_KEY: drain}
                 finally:
                     close_admissions()
                     group.cancel_scope.cancel()

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from backends.sim.base import MAX_SPEED, MIN_SPEED
 from gateway.config_warnings import config_warnings, ignored_environment
 from gateway.embedded import DEFAULT_MODEL
 from gateway.settings import (
@@ -33,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kneecap: invalid config:\n{exc}", file=sys.stderr)
         return 1
     _warn_of_likely_slips(settings)
-    host = args.host or settings.listen.host
+    host = args.host if args.host is not None else settings.listen.host
     port = args.port if args.port is not None else settings.listen.port
     sims = build_embedded_sims(settings.backends)
     drain = Drain(settings.listen.drain_timeout_s)
@@ -113,6 +114,23 @@ def _non_negative(text: str) -> float:
     if not 0 <= value < math.inf:  # a negative or NaN delay fails anyio.sleep on every token
         raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number")
     return value
+
+
+def _speed(text: str) -> float:
+    value = _positive(text)
+    if not MIN_SPEED <= value <= MAX_SPEED:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is outside {MIN_SPEED:g}-{MAX_SPEED:g} times real time"
+        )
+    return value
+
+
+def _host(text: str) -> str:
+    if not text.strip():  # asyncio reads "" as every interface: `--host "$HOST"` with HOST unset
+        raise argparse.ArgumentTypeError(
+            "the address is empty (0.0.0.0 or :: listens on every interface)"
+        )
+    return text
 
 
 def _config_path(text: str) -> str:
@@ -212,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_config_path,
         help="YAML config file (default: $KNEECAP_CONFIG, else embedded)",
     )
-    serve.add_argument("--host", help="listen address (overrides config)")
+    serve.add_argument("--host", type=_host, help="listen address (overrides config)")
     serve.add_argument("--port", type=_port, help="listen port (overrides config)")
     serve.add_argument(
         "--log-level",
@@ -222,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     sim = sub.add_parser("sim", help="run a simulated vLLM/SGLang backend")
-    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--host", type=_host, default="127.0.0.1")
     sim.add_argument("--port", type=_port, default=8100)
     sim.add_argument("--model", default=DEFAULT_MODEL)
     sim.add_argument("--profile", help="calibrated engine profile, e.g. qwen3-4b/l40s/bf16/vllm")
@@ -231,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--itl-ms", type=_non_negative, default=15.0, help="fixed ITL when no profile")
     sim.add_argument(
-        "--speed", type=_positive, default=1.0, help="run K times faster than real time"
+        "--speed",
+        type=_speed,
+        default=1.0,
+        help=f"run K times faster than real time ({MIN_SPEED:g}-{MAX_SPEED:g})",
     )
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument(

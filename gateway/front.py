@@ -22,11 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.cors import RawHeaders, origin_rules, with_cors
 from gateway.disconnect import DisconnectWatch
+from gateway.drain import DRAIN_STATE_KEY
 from gateway.errors import (
     GatewayError,
     InternalError,
     PayloadTooLarge,
     Unauthorized,
+    Unavailable,
     openai_error_response,
 )
 from gateway.middleware import StampedSend, request_id_from
@@ -92,6 +94,11 @@ class CorsReply(Reply):
         if message["type"] == "http.response.start":
             message["headers"] = with_cors(message.get("headers", ()), self.cors)
         return super().__call__(message)
+
+
+def _drain_over(scope: Scope) -> bool:
+    drain = scope["state"].get(DRAIN_STATE_KEY)
+    return drain is not None and drain.stopped
 
 
 def header_map(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -184,9 +191,16 @@ async def serve_proxied(scope: Scope, receive: Receive, send: Send) -> None:
             response = openai_error_response(error)
         await response(scope, receive, reply)
     except asyncio.CancelledError:
-        if not watch.left:
+        if watch.left:
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # nobody is listening
+        elif not reply.started and _drain_over(scope):
+            # uvicorn cancels what still runs STOP_GRACE_S after the drain's end: a request
+            # still awaiting its backend hears what a refused one does, and may retry.
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            error = Unavailable("the gateway is shutting down", code="shutting_down")
+            await openai_error_response(error)(scope, receive, reply)
+        else:
             raise
-        asyncio.current_task().uncancel()  # type: ignore[union-attr]  # nobody is listening
     except Exception:
         if reply.started:
             raise

@@ -112,14 +112,14 @@ async def serve_with_sims(
     failed: SystemExit | None = None
     async with anyio.create_task_group() as backends:
         for sim in sims:
-            backends.start_soon(sim.server._serve)
+            backends.start_soon(_serve, sim.server)
         # uvicorn offers no "started" event to wait on.
         while not all(s.server.started for s in sims):  # noqa: ASYNC110
             await anyio.sleep(0.01)
         async with anyio.create_task_group() as front:
             front.start_soon(_stop_on_signal, gateway, drain or Drain(0.0))
             try:
-                await gateway._serve()
+                await _serve(gateway)
             except SystemExit as exc:  # uvicorn could not start (it logged why: a port taken)
                 failed = exc
             front.cancel_scope.cancel()
@@ -132,13 +132,23 @@ async def serve_with_sims(
         raise failed  # once the sims have stopped in order: the exit code, no traceback
 
 
+async def _serve(server: uvicorn.Server) -> None:
+    await server._serve()
+    if server.force_exit and server.started:
+        # Forced, uvicorn skips the app's shutdown, whose task was then cancelled at the
+        # loop's end with a traceback. It is quick: clients closed, the metrics flushed.
+        with anyio.move_on_after(STOP_GRACE_S):
+            await server.lifespan.shutdown()
+
+
 async def _stop_on_signal(gateway: uvicorn.Server, drain: Drain) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as deadline:
             async for signum in signals:
                 if gateway.should_exit:  # a second Ctrl-C: stop waiting for open streams
                     drain.stop()
-                    await anyio.sleep(STOP_GRACE_S / 10)  # the queued requests' 503s out
+                    # The queued requests' 503s and the cut streams' last events out.
+                    await anyio.sleep(STOP_GRACE_S / 10)
                     gateway.force_exit = True
                     continue
                 gateway.should_exit = True
@@ -153,5 +163,9 @@ async def _stop_on_signal(gateway: uvicorn.Server, drain: Drain) -> None:
 async def _stop_after(drain: Drain) -> None:
     await anyio.sleep(drain.timeout_s)
     if not drain.stopped:
-        log.warning("drain timeout (%g s): refusing queued requests", drain.timeout_s)
+        log.warning(
+            "drain timeout (%g s): refusing queued requests, ending %d streams",
+            drain.timeout_s,
+            drain.streams,
+        )
     drain.stop()

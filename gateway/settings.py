@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
+from backends.sim.base import MAX_SPEED, MIN_SPEED
 from gateway.config_file import ConfigError, format_validation_error, read_config_file
 from policies.base import refuse_yes_or_no_for_numbers
 from policies.knee import KneeLimitConfig
@@ -38,7 +39,8 @@ class Frozen(BaseModel):
 
 
 class ListenConfig(Frozen):
-    host: str = "127.0.0.1"
+    # Not empty: asyncio reads "" as every interface (`host: "$HOST"` with HOST unset).
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8000, ge=0, le=65535)
     # On SIGTERM/Ctrl-C, how long requests in flight and in the queues may take to
     # finish; then the queued ones are answered 503 and the rest cut. Read at startup.
@@ -61,7 +63,7 @@ class SimConfig(Frozen):
     profile: str | None = None  # a calibrated engine profile; None → fixed latencies
     ttft_ms: float = Field(50.0, ge=0)
     itl_ms: float = Field(15.0, ge=0)
-    speed: float = Field(1.0, gt=0)
+    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
     seed: int = 0
 
     @model_validator(mode="after")

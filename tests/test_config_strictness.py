@@ -273,3 +273,15 @@ def test_a_pool_named_by_digits_may_still_be_set_from_the_environment(
     monkeypatch.setenv("KNEECAP_POOLS__1__MAX_QUEUE_DEPTH", "7")
     pools = build_settings({"pools": {"1": {}}}).pools
     assert pools["1"].max_queue_depth == 7
+
+
+@pytest.mark.parametrize(
+    ("config", "path"),
+    [
+        ({"listen": {"host": ""}}, "listen.host"),  # asyncio: every interface
+        ({"backends": [{"name": "s", "pool": "short", "sim": {"speed": 1e-310}}]}, "sim.speed"),
+        ({"backends": [{"name": "s", "pool": "short", "sim": {"speed": 1e4}}]}, "sim.speed"),
+    ],
+)
+def test_an_empty_host_or_an_absurd_sim_speed_is_refused(config: dict, path: str) -> None:
+    assert path in refusal(config)

@@ -19,6 +19,14 @@ FinishReason = Literal["stop", "length"]
 EngineFlavor = Literal["vllm", "sglang"]
 
 
+# The simulator's speed-up: delays are divided by it and engine time multiplied. Under a
+# thousandth of real time a 15 ms ITL is 15 s (divided by 1e-310, a 50 ms TTFT overflows
+# to infinity: every request slept forever); over a thousand times, each 0.1 ms the
+# gateway and the HTTP face spend on a request is 0.1 s of engine time or more.
+MIN_SPEED = 0.001
+MAX_SPEED = 1000.0
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str

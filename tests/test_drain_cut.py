@@ -1,0 +1,278 @@
+"""The drain's end cuts streams cleanly: each ends with an error event the client can read.
+
+At ``listen.drain_timeout_s`` the streams still going used to be cancelled by uvicorn a
+second later: a ``CancelledError`` traceback logged per stream, and a client left with a
+broken connection and no reason. Now each ends itself when the drain stops: a last SSE
+event ``shutting_down``, then the end of the response, its permit and upstream given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.drain import DRAIN_STATE_KEY, Drain
+from gateway.meter import StreamMeter
+from gateway.relay import StreamRelay
+from gateway.upstream_response import UpstreamResponse
+from tests.procs import (
+    MODEL,
+    Proc,
+    backend,
+    free_port,
+    start_gateway,
+    start_process,
+    start_sim,
+    wait_until,
+)
+from tests.test_relay_order import CHUNKS, Body, Finisher
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+LONG = 1000  # tokens at 20 ms: 20 s, far past the drain timeout
+
+
+@pytest.fixture(scope="module")
+def slow_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    sim = start_sim(tmp_path_factory.mktemp("slow"), ttft_ms=5, itl_ms=20)
+    try:
+        yield sim
+    finally:
+        sim.stop()
+
+
+def is_token(line: str) -> bool:
+    return '"content":"' in line and '"content":""' not in line
+
+
+# How the drain stops: its timeout passes, or a second signal ends it at once.
+DRAIN_ENDS = {"timeout": ("1", 1), "second signal": ("60", 2)}
+
+
+@pytest.mark.parametrize(("drain_timeout_s", "signals"), DRAIN_ENDS.values(), ids=DRAIN_ENDS)
+def test_streams_in_flight_at_the_drain_end_end_with_a_shutting_down_event(
+    tmp_path: Path, slow_sim: Proc, drain_timeout_s: str, signals: int
+) -> None:
+    gw = start_gateway(
+        tmp_path,
+        {"backends": [backend("s", slow_sim.url)]},
+        env={"KNEECAP_LISTEN__DRAIN_TIMEOUT_S": drain_timeout_s},
+    )
+    lines: list[str] = []
+    raw_streaming = threading.Event()
+    sdk_streaming = threading.Event()
+    sdk_errors: list[openai.APIError] = []
+
+    def raw_stream() -> None:
+        body = {**CHAT, "stream": True, "max_tokens": LONG}
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if is_token(line):
+                    raw_streaming.set()
+
+    def sdk_stream() -> None:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        stream = client.chat.completions.create(**CHAT, stream=True, max_tokens=LONG)
+        try:
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    sdk_streaming.set()
+        except openai.APIError as exc:
+            sdk_errors.append(exc)
+
+    clients = [threading.Thread(target=raw_stream), threading.Thread(target=sdk_stream)]
+    for client in clients:
+        client.start()
+    try:
+        assert raw_streaming.wait(10) and sdk_streaming.wait(10), "the streams never started"
+        gw.proc.process.send_signal(signal.SIGTERM)
+        if signals == 2:
+            wait_until(lambda: "received SIGTERM, draining" in gw.proc.output())
+            gw.proc.process.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(10)
+        assert not any(client.is_alive() for client in clients), "a stream did not end"
+        events = [line for line in lines if line]
+        assert events[-1].startswith('data: {"error"'), f"no error event last: {events[-1]}"
+        error = json.loads(events[-1].removeprefix("data: "))["error"]
+        assert error["code"] == "shutting_down"
+        assert error["type"] == "service_unavailable"
+        assert 0 < sum(1 for line in events if is_token(line)) < LONG  # cut, not finished
+        assert len(sdk_errors) == 1, "the SDK saw no error: its stream ended as if complete"
+        assert sdk_errors[0].code == "shutting_down"
+        assert "shutting down" in sdk_errors[0].message
+        assert gw.proc.process.wait(10) == 0
+        output = gw.proc.output()
+        assert "Traceback" not in output, output
+        assert "Exception in ASGI application" not in output, output
+    finally:
+        gw.proc.stop()
+        for client in clients:
+            client.join(5)
+
+
+def test_a_whole_answer_awaited_at_the_drain_end_is_answered_503(
+    tmp_path: Path, slow_sim: Proc
+) -> None:
+    """uvicorn cancels what still runs a grace after the drain's end: a non-streamed request
+    then waiting on its backend got a 500 and a logged traceback; now the 503 a refused
+    request gets, which a client may retry elsewhere."""
+    gw = start_gateway(
+        tmp_path,
+        {"backends": [backend("s", slow_sim.url)]},
+        env={"KNEECAP_LISTEN__DRAIN_TIMEOUT_S": "1"},
+    )
+    answers: list[httpx.Response] = []
+
+    def whole() -> None:
+        body = {**CHAT, "max_tokens": LONG}
+        answers.append(httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30))
+
+    client = threading.Thread(target=whole)
+    client.start()
+    try:
+        wait_until(lambda: gw.state()["backends"][0]["in_flight"] == 1)
+        gw.proc.process.send_signal(signal.SIGTERM)
+        client.join(15)
+        assert not client.is_alive(), "the request was never answered"
+        assert answers[0].status_code == 503, answers[0].text
+        assert answers[0].json()["error"]["code"] == "shutting_down"
+        assert gw.proc.process.wait(10) == 0
+        assert "Traceback" not in gw.proc.output(), gw.proc.output()
+    finally:
+        gw.proc.stop()
+        client.join(5)
+
+
+def test_a_second_ctrl_c_cuts_the_embedded_default_cleanly(tmp_path: Path) -> None:
+    """Forced, uvicorn skipped the apps' shutdown: the gateway's and each embedded sim's
+    lifespan was cancelled at the loop's end, a traceback each."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_process(["serve", "--port", str(port)], url, "/ready", tmp_path / "s.log")
+    body = {**CHAT, "stream": True, "max_tokens": 3000, "ignore_eos": True}
+    lines: list[str] = []
+
+    def read_the_stream() -> None:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines.extend(r.iter_lines())
+
+    reader = threading.Thread(target=read_the_stream)
+    reader.start()
+    try:
+        wait_until(lambda: any(is_token(line) for line in lines))
+        proc.process.send_signal(signal.SIGINT)
+        wait_until(lambda: "draining" in proc.output())
+        proc.process.send_signal(signal.SIGINT)
+        assert proc.process.wait(10) == 0
+        reader.join(10)
+        assert '"code": "shutting_down"' in [line for line in lines if line][-1]
+        assert "Traceback" not in proc.output(), proc.output()
+    finally:
+        proc.stop()
+        reader.join(5)
+
+
+class Endless(Body):
+    """A backend that sends its first events, then nothing more until it is closed."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self.chunks[0]
+        await asyncio.Event().wait()
+        yield b""  # pragma: no cover
+
+
+def test_a_cut_stream_is_closed_recorded_and_released_once() -> None:
+    log: list[str] = []
+    body = Endless(CHUNKS)
+    drain = Drain(0.0)
+    sent: list[dict] = []
+    upstream = UpstreamResponse(200, [(b"content-type", b"text/event-stream")], body)  # type: ignore[arg-type]
+    relay = StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log))
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and message["body"] == CHUNKS[0]:
+            drain.stop()  # the first event is out: the stream waits on its backend
+
+    async def scenario() -> None:
+        scope = {"type": "http", "state": {DRAIN_STATE_KEY: drain}}
+        await asyncio.wait_for(relay(scope, None, send), 5)  # type: ignore[arg-type]
+
+    asyncio.run(scenario())
+    assert log == ["record client_closed", "release client_closed"]
+    assert body.closed == 1
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert bodies[0]["body"] == CHUNKS[0]
+    assert b'"code": "shutting_down"' in bodies[1]["body"]
+    assert bodies[1]["body"].startswith(b"data: ") and bodies[1]["body"].endswith(b"\n\n")
+    assert bodies[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert len(bodies) == 3
+
+
+class SlowToClose(Body):
+    """An upstream whose close must be awaited (the ``https://`` path), and takes long."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        super().__init__(chunks)
+        self.closing = asyncio.Event()
+
+    def close_nowait(self) -> bool:
+        return False
+
+    async def aclose(self) -> None:
+        self.closing.set()
+        await asyncio.sleep(3600)
+
+
+def test_a_cut_landing_in_the_upstream_close_still_releases_the_permit() -> None:
+    """The shield around the close keeps anyio's cancellations out, not a task's own:
+    the cut used to skip the release, and the backend's permit was never given back."""
+    log: list[str] = []
+    body = SlowToClose(CHUNKS)
+    drain = Drain(0.0)
+    upstream = UpstreamResponse(200, [(b"content-type", b"text/event-stream")], body)  # type: ignore[arg-type]
+    relay = StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log))
+
+    async def send(message: dict) -> None:
+        pass
+
+    async def scenario() -> None:
+        scope = {"type": "http", "state": {DRAIN_STATE_KEY: drain}}
+        stream = asyncio.ensure_future(relay(scope, None, send))  # type: ignore[arg-type]
+        await asyncio.wait_for(body.closing.wait(), 5)
+        drain.stop()
+        await asyncio.wait_for(stream, 5)
+
+    asyncio.run(scenario())
+    assert log == ["record ok", "release ok"]
+
+
+def test_a_stream_whose_answer_comes_after_the_drain_is_cut_at_once() -> None:
+    """Its backend answered after the drain's end: nothing would cut it before uvicorn."""
+    log: list[str] = []
+    body = Endless(CHUNKS)
+    drain = Drain(0.0)
+    drain.stop()
+    sent: list[dict] = []
+    upstream = UpstreamResponse(200, [(b"content-type", b"text/event-stream")], body)  # type: ignore[arg-type]
+    relay = StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log))
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def scenario() -> None:
+        scope = {"type": "http", "state": {DRAIN_STATE_KEY: drain}}
+        await asyncio.wait_for(relay(scope, None, send), 5)  # type: ignore[arg-type]
+
+    asyncio.run(scenario())
+    assert log == ["record client_closed", "release client_closed"] and body.closed == 1
+    assert b'"code": "shutting_down"' in sent[-2]["body"] and not sent[-1]["more_body"]
