@@ -164,9 +164,9 @@ def test_a_prompt_the_engine_cannot_read_is_its_400_not_a_500(
     assert error_of(response)["param"] == "messages"
 
 
-def test_the_simulator_reads_output_bounds_as_vllm_does_and_refuses_n(gateway: Gateway) -> None:
+def test_the_simulator_reads_output_bounds_and_n_as_vllm_does(gateway: Gateway) -> None:
     # It generated max_tokens over max_completion_tokens, 256 tokens for max_tokens 0, and
-    # one choice where n were asked.
+    # one choice where n were asked (then refused n > 1; now serves it as vLLM does).
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "ignore_eos": True}
     both = post(
         gateway, "/v1/chat/completions", json={**chat, "max_tokens": 5, "max_completion_tokens": 2}
@@ -176,7 +176,9 @@ def test_the_simulator_reads_output_bounds_as_vllm_does_and_refuses_n(gateway: G
     zero = post(gateway, "/v1/chat/completions", json={**chat, "max_tokens": 0})
     assert zero.status_code == 400 and error_of(zero)["param"] == "max_tokens"
     several = post(gateway, "/v1/chat/completions", json={**chat, "n": 2, "max_tokens": 2})
-    assert several.status_code == 400 and error_of(several)["param"] == "n"
+    assert several.status_code == 200, several.text
+    assert [c["index"] for c in several.json()["choices"]] == [0, 1]
+    assert several.json()["usage"]["completion_tokens"] == 4
 
 
 def test_the_simulator_reads_include_usage_as_vllm_does(sims: list[Proc]) -> None:

@@ -4,8 +4,8 @@ Each case is a divergence found against vLLM 0.32's source
 (``vllm/entrypoints/openai/*/protocol.py``, ``serve/utils/api_utils.py:get_max_tokens``,
 ``renderers/params.py:TokenizeParams``, ``sampling_params.py``): the output is capped at
 the context, fields are read as pydantic reads them in lax mode, a list of prompts is
-several sequences (which the simulator refuses, as it refuses ``n`` > 1) and a list of
-token ids is one prompt.
+several sequences (served as vLLM serves them: ``tests/test_sim_multi.py``) and a list
+of token ids is one prompt.
 """
 
 from __future__ import annotations
@@ -157,13 +157,17 @@ def test_max_completion_tokens_names_itself_when_over_the_context(sim: Proc) -> 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_list_of_prompts_is_refused_like_n_over_1(sim: Proc, stream: bool) -> None:
-    """vLLM answers one choice per prompt; the simulator knows one sequence per request,
-    so it refuses, as for n > 1. Before the fix: one choice for both prompts, 200."""
+def test_a_list_of_prompts_is_one_choice_per_prompt(sim: Proc, stream: bool) -> None:
+    """vLLM answers one choice per prompt. Refused 400 before multi-sequence requests were
+    served (and before that, one choice for both prompts)."""
     for prompt in (["first prompt", "second prompt"], [[1, 2], [3]]):
-        refused = post(sim, {"prompt": prompt, "max_tokens": 3, "stream": stream})
-        message, param = error_of(refused)
-        assert param == "prompt" and "list of prompts" in message
+        answer = post(sim, {"prompt": prompt, "max_tokens": 3, "stream": stream})
+        if stream:
+            indexes = {c["index"] for e in stream_events(answer) for c in e["choices"]}
+        else:
+            assert answer.status_code == 200, answer.text
+            indexes = {c["index"] for c in answer.json()["choices"]}
+        assert indexes == {0, 1}
 
 
 @pytest.mark.parametrize(
@@ -285,7 +289,14 @@ def test_stream_options_without_stream_is_refused(sim: Proc, path: str) -> None:
 def test_n_zero_is_refused_with_vllms_words(sim: Proc) -> None:
     refused = post(sim, chat(max_tokens=2, n=0), "/v1/chat/completions")
     assert error_of(refused) == ("n must be at least 1, got 0.", None)
-    assert error_of(post(sim, chat(max_tokens=2, n=2), "/v1/chat/completions"))[1] == "n"
+    greedy = post(sim, chat(max_tokens=2, n=2, temperature=0), "/v1/chat/completions")
+    assert error_of(greedy) == ("n must be 1 when using greedy sampling, got 2.", None)
+    too_many = post(sim, chat(max_tokens=2, n=16385), "/v1/chat/completions")
+    assert error_of(too_many) == (
+        "n must be at most 16384, got 16385. "
+        "To increase this limit, set the VLLM_MAX_N_SEQUENCES environment variable.",
+        None,
+    )
 
 
 def test_an_empty_prompt_is_refused_with_vllms_words(sim: Proc) -> None:

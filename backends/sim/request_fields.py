@@ -41,7 +41,7 @@ _MAX_ERROR_CHARS = 1000
 
 
 @dataclass(frozen=True, slots=True)
-class _Invalid:
+class Invalid:
     """One error pydantic reports, located as vLLM cleans it (``body.stop.1``)."""
 
     kind: str
@@ -63,7 +63,7 @@ class _Invalid:
 
 
 class Unreadable(Exception):
-    def __init__(self, *errors: _Invalid) -> None:
+    def __init__(self, *errors: Invalid) -> None:
         super().__init__(errors)
         self.errors = errors
 
@@ -78,16 +78,16 @@ def _summary(value: object) -> str:
     return text
 
 
-def _integer(value: object, loc: str) -> int:
+def integer(value: object, loc: str) -> int:
     number = lax_int(value)
     if number is not None:
         return number
     if isinstance(value, str):
-        raise Unreadable(_Invalid("int_parsing", loc, value))
+        raise Unreadable(Invalid("int_parsing", loc, value))
     if isinstance(value, float):
         kind = "int_from_float" if math.isfinite(value) else "finite_number"
-        raise Unreadable(_Invalid(kind, loc, value))
-    raise Unreadable(_Invalid("int_type", loc, value))
+        raise Unreadable(Invalid(kind, loc, value))
+    raise Unreadable(Invalid("int_type", loc, value))
 
 
 def _number(value: object, loc: str) -> float:
@@ -95,13 +95,13 @@ def _number(value: object, loc: str) -> float:
         try:
             return float(value)
         except OverflowError:  # an integer past any float
-            raise Unreadable(_Invalid("float_type", loc, value)) from None
+            raise Unreadable(Invalid("float_type", loc, value)) from None
     if isinstance(value, str):
         try:
             return float(value)  # "nan" and "inf" too: vLLM refuses them later, by name
         except ValueError:
-            raise Unreadable(_Invalid("float_parsing", loc, value)) from None
-    raise Unreadable(_Invalid("float_type", loc, value))
+            raise Unreadable(Invalid("float_parsing", loc, value)) from None
+    raise Unreadable(Invalid("float_type", loc, value))
 
 
 def _flag(value: object, loc: str) -> bool:
@@ -110,15 +110,15 @@ def _flag(value: object, loc: str) -> bool:
         return flag
     # A string or a whole number it cannot interpret; anything else is no boolean at all.
     readable = isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
-    raise Unreadable(_Invalid("bool_parsing" if readable else "bool_type", loc, value))
+    raise Unreadable(Invalid("bool_parsing" if readable else "bool_type", loc, value))
 
 
 def _seed(value: object, loc: str) -> int:
-    seed = _integer(value, loc)
+    seed = integer(value, loc)
     if seed < _INT64_MIN:
-        raise Unreadable(_Invalid("greater_than_equal", loc, value, {"ge": _INT64_MIN}))
+        raise Unreadable(Invalid("greater_than_equal", loc, value, {"ge": _INT64_MIN}))
     if seed > _INT64_MAX:
-        raise Unreadable(_Invalid("less_than_equal", loc, value, {"le": _INT64_MAX}))
+        raise Unreadable(Invalid("less_than_equal", loc, value, {"le": _INT64_MAX}))
     return seed
 
 
@@ -127,11 +127,11 @@ def _stop(value: object, loc: str) -> list[str]:
     branch of the union refused it."""
     if isinstance(value, str):
         return [value]
-    not_a_string = _Invalid("string_type", loc, value)
+    not_a_string = Invalid("string_type", loc, value)
     if not isinstance(value, list):
-        raise Unreadable(not_a_string, _Invalid("list_type", loc, value))
+        raise Unreadable(not_a_string, Invalid("list_type", loc, value))
     items = [
-        _Invalid("string_type", f"{loc}.{i}", item)
+        Invalid("string_type", f"{loc}.{i}", item)
         for i, item in enumerate(value)
         if not isinstance(item, str)
     ]
@@ -139,20 +139,20 @@ def _stop(value: object, loc: str) -> list[str]:
         raise Unreadable(not_a_string, *items)
     if len(value) > MAX_STOP_STRINGS:
         ctx = {"field_type": "List", "max_length": MAX_STOP_STRINGS, "actual_length": len(value)}
-        raise Unreadable(not_a_string, _Invalid("too_long", loc, value, ctx))
+        raise Unreadable(not_a_string, Invalid("too_long", loc, value, ctx))
     return value
 
 
 def _stream_options(value: object, loc: str) -> dict[str, bool | None]:
     if not isinstance(value, dict):
-        raise Unreadable(_Invalid("model_attributes_type", loc, value))
+        raise Unreadable(Invalid("model_attributes_type", loc, value))
     return read_fields(value, _STREAM_OPTIONS_FIELDS)
 
 
 def _messages(value: object, loc: str) -> list[Any]:
     # Each message is counted, and refused if it cannot be, with the prompt (step 3).
     if not isinstance(value, list):
-        raise Unreadable(_Invalid("list_type", loc, value))
+        raise Unreadable(Invalid("list_type", loc, value))
     return value
 
 
@@ -162,7 +162,7 @@ def _prompt(value: object, loc: str) -> Any:
     if isinstance(value, str | list):
         return value
     branches = ("list_type", "list_type", "string_type", "list_type")
-    raise Unreadable(*(_Invalid(kind, loc, value) for kind in branches))
+    raise Unreadable(*(Invalid(kind, loc, value) for kind in branches))
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,12 +186,12 @@ _SAMPLING_FIELDS = (
     _Field("stream_options", _stream_options),
     _Field("temperature", _number),
     _Field("top_p", _number),
-    _Field("top_k", _integer),
+    _Field("top_k", integer),
     _Field("min_p", _number),
     _Field("repetition_penalty", _number),
     _Field("ignore_eos", _flag, nullable=False),
-    _Field("min_tokens", _integer, nullable=False),
-    _Field("prompt_logprobs", _integer),
+    _Field("min_tokens", integer, nullable=False),
+    _Field("prompt_logprobs", integer),
 )
 
 # Each endpoint's fields the simulator reads, in vLLM's declaration order: pydantic
@@ -200,10 +200,10 @@ CHAT_FIELDS = (
     _Field("messages", _messages, nullable=False, required=True),
     _Field("frequency_penalty", _number),
     _Field("logprobs", _flag),
-    _Field("top_logprobs", _integer),
-    _Field("max_tokens", _integer),
-    _Field("max_completion_tokens", _integer),
-    _Field("n", _integer),
+    _Field("top_logprobs", integer),
+    _Field("max_tokens", integer),
+    _Field("max_completion_tokens", integer),
+    _Field("n", integer),
     *_SAMPLING_FIELDS,
 )
 _STREAM_OPTIONS_FIELDS = (
@@ -214,9 +214,9 @@ COMPLETION_FIELDS = (
     _Field("prompt", _prompt),
     _Field("echo", _flag),
     _Field("frequency_penalty", _number),
-    _Field("logprobs", _integer),
-    _Field("max_tokens", _integer),
-    _Field("n", _integer, nullable=False),
+    _Field("logprobs", integer),
+    _Field("max_tokens", integer),
+    _Field("n", integer, nullable=False),
     *_SAMPLING_FIELDS,
 )
 
@@ -224,12 +224,12 @@ COMPLETION_FIELDS = (
 def read_fields(payload: dict[str, Any], fields: tuple[_Field, ...]) -> dict[str, Any]:
     """Every field read (None: left out or null), or every error of those that cannot be."""
     read: dict[str, Any] = {}
-    errors: list[_Invalid] = []
+    errors: list[Invalid] = []
     for field in fields:
         value = payload.get(field.name)
         if value is None and (field.nullable or field.name not in payload):
             if field.required:
-                errors.append(_Invalid("missing", f"{field.prefix}.{field.name}", payload))
+                errors.append(Invalid("missing", f"{field.prefix}.{field.name}", payload))
             read[field.name] = None
             continue
         try:
@@ -241,7 +241,7 @@ def read_fields(payload: dict[str, Any], fields: tuple[_Field, ...]) -> dict[str
     return read
 
 
-def validation_error(errors: tuple[_Invalid, ...]) -> BadRequest:
+def validation_error(errors: tuple[Invalid, ...]) -> BadRequest:
     """vLLM's answer to a ``RequestValidationError``."""
     label = "error" if len(errors) == 1 else "errors"
     lines = [f"{len(errors)} validation {label}:"]

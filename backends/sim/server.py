@@ -14,22 +14,23 @@ import hashlib
 import itertools
 import json
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from backends.sim import validate, wire
+from backends.sim import multi, validate, wire
 from backends.sim.arrival import arrival_of
 from backends.sim.base import AsyncEngine, GenerationRequest, TokenIterator
 from backends.sim.tokenizer import count_chat_tokens, count_text_tokens
 
 EMBEDDING_DIM = 16
+_T = TypeVar("_T")
 
 
 def _error(
@@ -69,6 +70,9 @@ class _Completions:
         self._model = model
         # Requests without a client seed still get distinct EOS draws and texts.
         self._unseeded = itertools.count(1)
+        # The engine's request ids: a seeded request's wire id is the same every time, and
+        # two such requests at once must still be two sequences (vLLM's ids are its own too).
+        self._submitted = itertools.count()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await _read_body(receive)
@@ -78,26 +82,40 @@ class _Completions:
         started = self._start(body, chat, arrival_of(scope))
         if isinstance(started, Response):
             await started(scope, receive, send)
+        elif isinstance(started, _Batch):
+            await self._serve_batch(started, scope, receive, send)
         elif started.stream:
             await self._stream(started, receive, send)
         else:
-            answer = await self._complete_unless_left(started, receive)
+            answer = await self._unless_left(self._complete(started), receive)
             if answer is not None:
                 await answer(scope, receive, send)
 
-    def _start(self, body: bytes, chat: bool, arrival: float | None) -> _Generation | Response:
+    def _start(
+        self, body: bytes, chat: bool, arrival: float | None
+    ) -> _Generation | _Batch | Response:
         """Check the request and submit it to the engine, arriving when its bytes did."""
         payload = _payload(body, self._model)
         if isinstance(payload, Response):
             return payload
         try:
             asked = validate.read(payload, chat, self._engine.max_model_len)
+        except validate.EmptyPrompt as empty:
+            if not empty.stream:
+                return _error(empty.message, 400)
+            error = wire.stream_error(empty.message, empty.error_type, 400, empty.param)
+            return StreamingResponse(iter((error,)), media_type="text/event-stream")
         except validate.BadRequest as bad:
             return _error(bad.message, 400, bad.error_type, bad.param)
         ident = wire.Identity.for_request("chatcmpl" if chat else "cmpl", payload)
         seed = payload["seed"] if isinstance(payload.get("seed"), int) else next(self._unseeded)
+        request_id = f"{ident.id}#{next(self._submitted)}"
+        if asked.n > 1 or asked.prompts:  # several sequences: their own path
+            if not isinstance(payload.get("seed"), int):  # the next request's seeds follow
+                self._unseeded = itertools.count(seed + asked.sequences)
+            return _Batch(asked, ident, chat, multi.sequences(asked, request_id, seed), arrival)
         gen = GenerationRequest(
-            request_id=ident.id,
+            request_id=request_id,
             prompt_tokens=asked.prompt_tokens,
             max_tokens=asked.max_tokens,
             ignore_eos=asked.ignore_eos,
@@ -153,23 +171,50 @@ class _Completions:
                 watcher.cancel()
                 await tokens.aclose()  # cancels the sequence, once the loop let go of it
 
-    async def _complete_unless_left(self, run: _Generation, receive: Receive) -> Response | None:
-        """The whole answer, or None when the client left first: its sequence is freed at
-        once, as vLLM aborts a request whose client disconnected, streamed or not."""
-        completing = asyncio.current_task()
-        assert completing is not None
+    async def _unless_left(self, work: Awaitable[_T], receive: Receive) -> _T | None:
+        """What ``work`` gives, or None when the client left first: its sequences are freed
+        at once, as vLLM aborts a request whose client disconnected, streamed or not."""
+        working = asyncio.current_task()
+        assert working is not None
         left: list[bool] = []
         async with asyncio.TaskGroup() as group:
-            watcher = group.create_task(_cancel_on_disconnect(receive, completing, left))
+            watcher = group.create_task(_cancel_on_disconnect(receive, working, left))
             try:
-                return await self._complete(run)
+                return await work
             except asyncio.CancelledError:
                 if not left:
                     raise
-                completing.uncancel()  # the client left: nobody to answer
+                working.uncancel()  # the client left: nobody to answer
                 return None
             finally:
                 watcher.cancel()
+
+    async def _serve_batch(self, batch: _Batch, scope: Scope, receive: Receive, send: Send) -> None:
+        """Several sequences: a path of its own, so that one sequence pays nothing for it."""
+        try:
+            merged = await multi.start(self._engine, batch.gens, batch.arrival)
+        except ValueError as exc:  # one can never fit this engine's KV cache
+            await _error(str(exc), 400)(scope, receive, send)
+            return
+        seeds = [gen.seed for gen in batch.gens]
+        asked, ident, chat, model = batch.asked, batch.ident, batch.chat, self._model
+        if not asked.stream:
+            body = await self._unless_left(
+                multi.complete(merged, asked, ident, model, chat, seeds), receive
+            )
+            if body is not None:
+                await Response(body, media_type="application/json")(scope, receive, send)
+            return
+
+        async def more(chunk: bytes) -> None:
+            await send(_more(chunk))
+
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        last = await self._unless_left(
+            multi.stream(merged, asked, ident, model, chat, seeds, more), receive
+        )
+        if last is not None:
+            await send({"type": "http.response.body", "body": last})
 
     async def _complete(self, run: _Generation) -> Response:
         parts = []
@@ -183,6 +228,17 @@ class _Completions:
         usage = wire.usage(run.gen.prompt_tokens, len(parts))
         body = wire.full_response(run.ident, self._model, run.chat, "".join(parts), finish, usage)
         return Response(body, media_type="application/json")
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """A request of several sequences, not submitted yet (see :mod:`.multi`)."""
+
+    asked: validate.Asked
+    ident: wire.Identity
+    chat: bool
+    gens: list[GenerationRequest]
+    arrival: float | None
 
 
 @dataclass(frozen=True, slots=True)

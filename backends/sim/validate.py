@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from backends.sim import prompt_list
 from backends.sim.refusal import BadRequest, refused
 from backends.sim.request_fields import (
     CHAT_FIELDS,
@@ -38,15 +39,34 @@ from backends.sim.tokenizer import count_chat_tokens, count_text_tokens
 # the fixed-latency engines draw no EOS, so that would be the whole context every time.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 256
+MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
+
+
+class EmptyPrompt(BadRequest):
+    """A prompt of a list that is empty: vLLM's engine refuses it once every other check
+    passed, and a stream has already begun by then (its answer is an error event)."""
+
+    def __init__(self, stream: bool) -> None:
+        super().__init__("The decoder prompt cannot be empty")
+        self.stream = stream
 
 
 @dataclass(frozen=True, slots=True)
 class Asked:
-    prompt_tokens: int
+    prompt_tokens: int  # the first prompt's: the only one, unless ``prompts`` holds more
     max_tokens: int  # capped to what the context leaves
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    n: int = 1
+    # Every prompt's (prompt tokens, max_tokens) when a /v1/completions request sent
+    # several; empty for one prompt, the path nearly every request takes.
+    prompts: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences the engine runs: one per (prompt, copy)."""
+        return max(1, len(self.prompts)) * self.n
 
 
 def prompts_of(prompt: Any) -> list[Any]:
@@ -77,30 +97,79 @@ def _is_id(item: object) -> bool:
 def read(payload: dict[str, Any], chat: bool, max_model_len: int) -> Asked:
     """Check a completions request as vLLM does, in its order; raises :class:`BadRequest`."""
     _before_validators(payload, chat)
+    listed, unread = _listed_prompts(payload, chat)
     try:
         fields = read_fields(payload, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     except Unreadable as unreadable:
-        raise validation_error(unreadable.errors) from None
+        raise validation_error((*unread, *unreadable.errors)) from None  # prompt: first field
+    if unread:
+        raise validation_error(unread)
     options = fields["stream_options"] or {}
     # Chat: max_completion_tokens wins; /v1/completions knows only max_tokens.
     param = (
         "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
     )
-    prompt_tokens, exact = _prompt_tokens(payload, chat)
     default = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
-    max_tokens = _output_budget(max_model_len, prompt_tokens, exact, fields[param], param, default)
-    check_sampling(fields, max_tokens)
-    if fields["n"] is not None and fields["n"] > 1:
-        # One sequence per request is all the cost model knows: say so, never answer
-        # with one choice where n were asked.
-        raise BadRequest("n > 1 is not supported by the simulator", "n")
-    return Asked(
-        prompt_tokens,
-        max_tokens,
+    requested = fields[param]
+    n = fields["n"] or 1
+    stream, usage, ignore_eos = (
         bool(fields["stream"]),
         bool(options.get("include_usage")),
         bool(fields["ignore_eos"]),
     )
+    if listed is not None:
+        budgets = _listed_budgets(listed, fields, max_model_len, requested, param, default)
+        prompts = tuple(budgets) if len(budgets) > 1 else ()
+        return Asked(*budgets[0], stream, usage, ignore_eos, n, prompts)
+    prompt_tokens = _prompt_tokens(payload, chat)
+    max_tokens = _output_budget(max_model_len, prompt_tokens, False, requested, param, default)
+    _check_n(n)
+    check_sampling(fields, max_tokens)
+    return Asked(prompt_tokens, max_tokens, stream, usage, ignore_eos, n)
+
+
+def _listed_budgets(
+    listed: list[str | list[int]],
+    fields: dict[str, Any],
+    max_model_len: int,
+    requested: int | None,
+    param: str,
+    default: int,
+) -> list[tuple[int, int]]:
+    """Each prompt's (prompt tokens, max_tokens), checked in vLLM's order: every prompt
+    against the context as it is rendered, then each one's sampling parameters, then the
+    engine's own check of each prompt."""
+    if not listed:
+        raise BadRequest("You must pass at least one prompt")
+    budgets = []
+    for prompt in listed:
+        try:
+            tokens = tokens_of(prompt)
+        except UnicodeEncodeError as exc:  # a lone surrogate
+            raise BadRequest(f"prompt: invalid: {type(exc).__name__}", "prompt") from None
+        # vLLM tokenizes a text at most one token past the context: of a text over it, it
+        # knows only that much; of token ids, their count.
+        exact = not isinstance(prompt, str)
+        budgets.append(
+            (tokens, _output_budget(max_model_len, tokens, exact, requested, param, default))
+        )
+    _check_n(fields["n"] or 1)
+    # Only max_tokens differs between the prompts' checks: each distinct one is checked.
+    for max_tokens in dict.fromkeys(budget for _, budget in budgets):
+        check_sampling(fields, max_tokens)
+    if any(tokens == 0 for tokens, _ in budgets):
+        raise EmptyPrompt(bool(fields["stream"]))
+    return budgets
+
+
+def _check_n(n: int) -> None:
+    # SamplingParams checks it right after n >= 1 (which check_sampling makes), before
+    # anything else: an n over it fails there first.
+    if n > MAX_N:
+        raise refused(
+            f"n must be at most {MAX_N}, got {n}. "
+            "To increase this limit, set the VLLM_MAX_N_SEQUENCES environment variable."
+        )
 
 
 def _before_validators(payload: dict[str, Any], chat: bool) -> None:
@@ -170,19 +239,25 @@ _COMPLETION_BEFORE = (_prompt_given, _stream_options_need_stream, _completion_lo
 # --- 3. the prompt and the context ------------------------------------------------------
 
 
-def _prompt_tokens(payload: dict[str, Any], chat: bool) -> tuple[int, bool]:
-    """The prompt's length, and whether it is exact: vLLM tokenizes a text at most one
-    token past the context, so of a text over it knows only that much."""
+def _listed_prompts(
+    payload: dict[str, Any], chat: bool
+) -> tuple[list[str | list[int]] | None, tuple[Any, ...]]:
+    """A list ``prompt``'s prompts (None: no list), or pydantic's errors reading it."""
+    prompt = payload.get("prompt")
+    if chat or not isinstance(prompt, list):
+        return None, ()
+    try:
+        return prompt_list.prompts(prompt), ()
+    except Unreadable as unreadable:
+        return None, unreadable.errors
+
+
+def _prompt_tokens(payload: dict[str, Any], chat: bool) -> int:
+    """The one prompt's length: the messages', or a string's."""
     try:
         if chat:
-            return count_chat_tokens(payload["messages"]), False
-        prompts = prompts_of(payload["prompt"])
-        if not prompts:
-            raise BadRequest("You must pass at least one prompt")
-        if len(prompts) > 1:
-            # vLLM answers one choice per prompt: the same sequences n > 1 asks for.
-            raise BadRequest("a list of prompts is not supported by the simulator", "prompt")
-        return tokens_of(prompts[0]), not isinstance(prompts[0], str)
+            return count_chat_tokens(payload["messages"])
+        return count_text_tokens(payload["prompt"])
     except (AttributeError, TypeError, UnicodeEncodeError) as exc:
         # A message that is no object, a lone surrogate: vLLM answers these 400 too.
         param = "messages" if chat else "prompt"

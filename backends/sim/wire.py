@@ -49,8 +49,10 @@ class Identity:
         return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
 
 
-def chat_chunk(ident: Identity, model: str, delta: dict[str, Any], finish: str | None) -> bytes:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+def chat_chunk(
+    ident: Identity, model: str, delta: dict[str, Any], finish: str | None, index: int = 0
+) -> bytes:
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
     if finish is not None:
         choice["stop_reason"] = None
     return sse(
@@ -64,9 +66,9 @@ def chat_chunk(ident: Identity, model: str, delta: dict[str, Any], finish: str |
     )
 
 
-def _text_choice(text: str, finish: str | None) -> dict[str, Any]:
+def _text_choice(text: str, finish: str | None, index: int = 0) -> dict[str, Any]:
     return {
-        "index": 0,
+        "index": index,
         "text": text,
         "logprobs": None,
         "finish_reason": finish,
@@ -74,8 +76,10 @@ def _text_choice(text: str, finish: str | None) -> dict[str, Any]:
     }
 
 
-def completion_chunk(ident: Identity, model: str, text: str, finish: str | None) -> bytes:
-    choice = _text_choice(text, finish)
+def completion_chunk(
+    ident: Identity, model: str, text: str, finish: str | None, index: int = 0
+) -> bytes:
+    choice = _text_choice(text, finish, index)
     return sse(
         {
             "id": ident.id,
@@ -97,20 +101,21 @@ class TokenChunks:
     from a real chunk and joined per token instead of being encoded as JSON again.
     """
 
-    __slots__ = ("_after", "_before", "_chat", "_ident", "_model")
+    __slots__ = ("_after", "_before", "_chat", "_ident", "_index", "_model")
     _texts = tuple(dumps(word) for word in WORDS)
 
-    def __init__(self, ident: Identity, model: str, chat: bool) -> None:
+    def __init__(self, ident: Identity, model: str, chat: bool, index: int = 0) -> None:
         self._ident = ident
         self._model = model
         self._chat = chat
+        self._index = index  # the choice's, when a request asked for several
         slot = dumps(_SLOT)
         self._before, _, self._after = self._make(_SLOT, None).partition(slot)
 
     def _make(self, text: str, finish: str | None) -> bytes:
         if self._chat:
-            return chat_chunk(self._ident, self._model, {"content": text}, finish)
-        return completion_chunk(self._ident, self._model, text, finish)
+            return chat_chunk(self._ident, self._model, {"content": text}, finish, self._index)
+        return completion_chunk(self._ident, self._model, text, finish, self._index)
 
     def token(self, seed: int, index: int, finish: str | None) -> bytes:
         if finish is not None:  # the last chunk: once per stream
@@ -147,28 +152,50 @@ def error(message: str, error_type: str, status: int, param: str | None = None) 
     )
 
 
+def stream_error(message: str, error_type: str, status: int, param: str | None = None) -> bytes:
+    """An error that ends a stream already begun: vLLM spells it with ``json.dumps``'s
+    default separators, unlike its chunks."""
+    said = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    return b"data: " + json.dumps(said).encode() + b"\n\n" + DONE
+
+
 def full_response(
     ident: Identity, model: str, chat: bool, text: str, finish: str | None, usage: dict[str, int]
 ) -> bytes:
     """A non-streamed answer: chat.completion or text_completion."""
-    if chat:
-        message = {"role": "assistant", "content": text, "tool_calls": []}
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": finish,
-            "stop_reason": None,
-        }
-    else:
-        choice = _text_choice(text, finish)
+    return full_responses(ident, model, chat, [(text, finish)], usage)
+
+
+def full_responses(
+    ident: Identity,
+    model: str,
+    chat: bool,
+    answers: list[tuple[str, str | None]],
+    usage: dict[str, int],
+) -> bytes:
+    """A non-streamed answer with one choice per (text, finish reason), in index order."""
     return dumps(
         {
             "id": ident.id,
             "object": "chat.completion" if chat else "text_completion",
             "created": ident.created,
             "model": model,
-            "choices": [choice],
+            "choices": [
+                _full_choice(chat, index, text, finish)
+                for index, (text, finish) in enumerate(answers)
+            ],
             "usage": usage,
         }
     )
+
+
+def _full_choice(chat: bool, index: int, text: str, finish: str | None) -> dict[str, Any]:
+    if not chat:
+        return _text_choice(text, finish, index)
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text, "tool_calls": []},
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+    }
