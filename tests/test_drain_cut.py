@@ -12,7 +12,7 @@ import asyncio
 import json
 import signal
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -23,6 +23,7 @@ from gateway.drain import DRAIN_STATE_KEY, Drain
 from gateway.meter import StreamMeter
 from gateway.relay import StreamRelay
 from gateway.upstream_response import UpstreamResponse
+from tests import test_ops_robustness
 from tests.procs import (
     MODEL,
     Proc,
@@ -30,26 +31,15 @@ from tests.procs import (
     free_port,
     start_gateway,
     start_process,
-    start_sim,
     wait_until,
 )
+from tests.test_ops_robustness import is_token
 from tests.test_relay_order import CHUNKS, Body, Finisher
+
+slow_sim = test_ops_robustness.slow_sim  # the same module-scoped fixture, here too
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
 LONG = 1000  # tokens at 20 ms: 20 s, far past the drain timeout
-
-
-@pytest.fixture(scope="module")
-def slow_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    sim = start_sim(tmp_path_factory.mktemp("slow"), ttft_ms=5, itl_ms=20)
-    try:
-        yield sim
-    finally:
-        sim.stop()
-
-
-def is_token(line: str) -> bool:
-    return '"content":"' in line and '"content":""' not in line
 
 
 # How the drain stops: its timeout passes, or a second signal ends it at once.

@@ -48,22 +48,14 @@ _NO_LOCAL_PORT_LEFT = textwrap.dedent(
     from pathlib import Path
     import httpx
     from tests.procs import start_gateway
-    from tests.test_proxy_front_fixes import chat
-    from tests.test_proxy_upstream_request import echo_backend, start_echo
+    from tests.test_proxy_front_fixes import chat, warm_and_cold
+    from tests.test_proxy_upstream_request import start_echo
 
     RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
     def main(tmp):
         warm, cold = start_echo(tmp), start_echo(tmp)
-        config = {
-            "backends": [
-                echo_backend(warm.url, name="warm", models=["warm"]),
-                echo_backend(cold.url, name="cold"),
-            ],
-            "health": {"failure_threshold": 1},  # one failure counted would eject it
-            "upstream": {"max_attempts": 2},
-        }
-        gw = start_gateway(tmp, config)
+        gw = start_gateway(tmp, warm_and_cold(warm.url, cold.url))
         wide = RANGE.read_text()
         holders = []
         client = httpx.Client(base_url=gw.url, timeout=10)  # one keep-alive connection

@@ -16,6 +16,7 @@ import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -167,19 +168,24 @@ def _open_descriptors(pid: int) -> set[int]:
     return {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
 
 
+def warm_and_cold(warm_url: str, cold_url: str) -> dict[str, Any]:
+    """Two echo backends: "warm" serves its own model (a connection to it stays open),
+    "cold" the rest; one failure counted against a backend would eject it."""
+    return {
+        "backends": [
+            echo_backend(warm_url, name="warm", models=["warm"]),
+            echo_backend(cold_url, name="cold"),
+        ],
+        "health": {"failure_threshold": 1},
+        "upstream": {"max_attempts": 2},
+    }
+
+
 def test_a_request_the_gateway_has_no_descriptor_for_is_a_503_not_a_backend_failure(
     tmp_path: Path,
 ) -> None:
     warm, cold = start_echo(tmp_path), start_echo(tmp_path)
-    config = {
-        "backends": [
-            echo_backend(warm.url, name="warm", models=["warm"]),
-            echo_backend(cold.url, name="cold"),
-        ],
-        "health": {"failure_threshold": 1},  # one failure counted would eject it
-        "upstream": {"max_attempts": 2},
-    }
-    gw = start_gateway(tmp_path, config)
+    gw = start_gateway(tmp_path, warm_and_cold(warm.url, cold.url))
     pid = gw.proc.pid
     client = httpx.Client(base_url=gw.url, timeout=10)  # one keep-alive connection
     try:
