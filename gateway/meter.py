@@ -81,6 +81,9 @@ class StreamMeter:
     gaps: list[float] = field(default_factory=list)
     usage: Usage | None = None
     finish_reason: str | None = None
+    # The first sequence's finishing event carried no output: vLLM's empty last chunk,
+    # whose token (the EOS) usage counts though no output event carried it.
+    finish_empty: bool = False
     upstream_error: bool = False
     client_error: bool = False  # the engine's error event blames the request (a 4xx code)
     done: bool = False
@@ -119,6 +122,7 @@ class StreamMeter:
                     # The first sequence's, as a whole answer's is read (its first choice).
                     if of_first_sequence(event):
                         self.finish_reason = reason
+                        self.finish_empty = not carries_output(event)
                         if b'"usage"' in event:
                             # Usage riding on the last chunk with choices, not on one of
                             # its own (continuous usage stats put it on every chunk).
@@ -222,8 +226,9 @@ class StreamMeter:
                 self.estimated.append((buckets, start, end, tokens, events))
         if carried is not None or tokens <= events:
             output = self.output_events  # exact counts come with the usage, at the end
-        else:
-            output = self.output_events * tokens // events
+        else:  # a token each event with no gap before it, the learned ratio each gap
+            gaps = len(self.gaps)
+            output = self.output_events - gaps + gaps * tokens // events
         window.add_tokens(now, max(0, output - self.flushed_tokens))
         self.flushed_tokens = max(output, self.flushed_tokens)
         self.flushed_gaps = end
@@ -244,17 +249,23 @@ class StreamMeter:
         return None if self.first_output is None else self.first_output - self.started
 
     def _carried(self) -> tuple[int, int] | None:
-        """The tokens the output events carried after the first one's, and those events
-        (from the usage; None without it).
+        """The tokens the gaps carried, and the gaps (from the usage; None without it):
+        what spreads each gap over its tokens.
 
-        Tokens generated before the first output event are the TTFT's, not the gaps':
+        An event with no gap before it (each sequence's first) is taken to carry one
+        token: vLLM sends the first token alone, whatever its ``--stream-interval``, and
+        k tokens an event after it. Spreading the usage over every event instead read a
+        first event of one token and events of four as 3.3 tokens a gap.
+
+        Tokens no output event carried are no gap's: the EOS of vLLM's empty last chunk
+        (a one-token answer read as two tokens an event, which the window then learned),
+        and tokens generated before the first output event, which are the TTFT's:
         reasoning an engine did not stream (vLLM's ``include_reasoning: false`` drops
         its deltas) or sent in one block as the first event (SGLang's
-        ``stream_reasoning: false``) is counted in ``completion_tokens`` all the same,
-        and spread over the visible gaps it would make them read many times too
-        short. So when the first second output event of a sequence carries no
-        reasoning, the usage's reasoning tokens are taken out, and so are the events that opened
-        a sequence with reasoning (each such block is the TTFT's event)."""
+        ``stream_reasoning: false``) is counted in ``completion_tokens`` all the same.
+        So when the first second output event of a sequence carries no reasoning, the
+        usage's reasoning tokens are taken out, and so are the events that opened a
+        sequence with reasoning (each such block is the TTFT's event)."""
         usage = self.usage
         if usage is None:
             return None
@@ -262,11 +273,16 @@ class StreamMeter:
         if usage.reasoning_tokens and not self.reasoning_streamed:
             tokens -= usage.reasoning_tokens
             events -= self.reasoning_openings
-        return (tokens, events) if events > 0 else None
+        if self.finish_empty and self.finish_reason == "stop" and not self.several_sequences:
+            tokens -= 1
+        gaps = len(self.gaps)
+        openings = events - gaps  # events with no gap before them: a token each
+        return (tokens - openings, gaps) if gaps > 0 else None
 
     @property
     def tokens_per_event(self) -> float | None:
-        """The output tokens per output event, from the usage; None without it."""
+        """The output tokens a gap carried, from the usage (at least one); None without it
+        or without a gap."""
         carried = self._carried()
         return None if carried is None else max(1.0, carried[0] / carried[1])
 
@@ -275,11 +291,9 @@ class StreamMeter:
         gap/k, so they add up to the time from the first output event to the last (of
         each sequence, when the stream holds several).
 
-        Events are taken to carry the usage's tokens evenly (the reasoning tokens never
-        streamed left out: see ``_carried``); k is a whole number per event, spread so
-        that the gaps hold ``floor(gaps * tokens per event)`` values. Rounding down: a
-        token counted by usage but carried by no output event (the EOS of an empty
-        final chunk) makes no gap of its own."""
+        The events after each sequence's first are taken to carry the usage's tokens
+        evenly (see ``_carried`` for what is left out); k is a whole number per event,
+        spread so that the gaps hold exactly the tokens they carried."""
         carried = self._carried()
         if carried is None:
             return self.gaps
@@ -287,10 +301,10 @@ class StreamMeter:
 
 
 def _spread(gaps: list[float], first: int, tokens: int, events: int) -> list[float]:
-    """``gaps`` (the stream's from index ``first`` on) as per-token values, ``tokens`` over
-    ``events``: gap i stands for ``(i+1)*tokens//events - i*tokens//events`` tokens, so
-    that spreading a stream's gaps in parts gives the values of spreading them whole.
-    At most a token an event: the gaps as they are."""
+    """``gaps`` (the stream's from index ``first`` on) as per-token values, ``tokens`` in
+    every ``events`` gaps: gap i stands for ``(i+1)*tokens//events - i*tokens//events``
+    tokens, so that spreading a stream's gaps in parts gives the values of spreading them
+    whole. At most a token a gap: the gaps as they are."""
     if tokens <= events:
         return gaps
     spread: list[float] = []

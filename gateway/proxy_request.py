@@ -97,7 +97,7 @@ _INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
 
 def several_sequences(payload: Mapping[str, Any]) -> bool:
     """Whether the stream may interleave several sequences: ``n`` > 1, or a list of
-    prompts (a list of token ids is one prompt).
+    prompts or of ``prompt_embeds`` (a list of token ids is one prompt).
 
     ``n`` is read as the engines' pydantic reads an integer in lax mode (``"2"`` and
     ``2.0`` are 2). (The meter also turns to per-sequence timing at the first event of a
@@ -106,7 +106,10 @@ def several_sequences(payload: Mapping[str, Any]) -> bool:
     if n is not None and n > 1:
         return True
     prompt = payload.get("prompt")
-    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+    if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
+        return True
+    embeds = payload.get("prompt_embeds")  # vLLM: one prompt a tensor, several in a list
+    return isinstance(embeds, list) and len(embeds) > 1
 
 
 def prepare_stream(request: ProxyRequest) -> bool:

@@ -34,10 +34,11 @@ def _may_end_event(pending: bytes | bytearray, chunk: bytes) -> bool:
     """Whether ``chunk`` may end the pending event. ``pending`` holds no blank line, so
     one can only be in ``chunk`` or straddle the two; True may be a false alarm (a
     ``\\r\\n\\r`` that a read cut), which the full search then tells apart."""
-    edge = pending[-_BLANK_LINE_BEGUN:] + chunk
-    if b"\r" in edge:
-        return _BLANK_LINE.search(edge) is not None
-    return _SEP in edge
+    tail = pending[-_BLANK_LINE_BEGUN:]
+    if b"\r" in tail or b"\r" in chunk:
+        return _BLANK_LINE.search(tail + chunk) is not None
+    # Engines' events: byte searches of the read itself, no copy of it.
+    return _SEP in chunk or (tail.endswith(b"\n") and chunk.startswith(b"\n"))
 
 
 class SSEFramer:

@@ -124,14 +124,16 @@ def window_of(gw: Gateway) -> dict[str, Any]:
 
 
 def interval_stream(events: int, tail: list[bytes | float | str] | None = None) -> list[Any]:
-    """4 tokens an event, 40 ms apart (10 ms a token); ``tail``: steps before the end."""
+    """vLLM's ``--stream-interval 4``: the first token alone, then 4 tokens an event, 40 ms
+    apart (10 ms a token); ``tail``: steps before the end."""
     steps: list[bytes | float | str] = [delta(role="assistant", content=""), 0.05]
-    for _ in range(events):
+    steps += [delta(content="a"), 0.04]
+    for _ in range(events - 1):
         steps += [delta(content="abcd"), 0.04]
     tail = tail or []
     steps += tail
     outputs = events + sum(isinstance(step, bytes) for step in tail)  # 4 tokens each
-    steps += [delta(finish="length", content=""), usage(4 * outputs), DONE]
+    steps += [delta(finish="length", content=""), usage(1 + 4 * (outputs - 1)), DONE]
     return script(*steps)
 
 

@@ -3,9 +3,13 @@ and the window's live estimate replaced at a stream's end (see test_meter_fixes.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from backends.replica import Replica
 from gateway.meter import Usage, _spread
+from gateway.settings import BackendConfig
 from gateway.window import ItlBuckets, RollingWindow
 from tests.test_meter_fixes import delta, fed
 
@@ -56,7 +60,7 @@ def test_the_window_ends_up_holding_the_streams_token_gaps(learned: float | None
     timeline = [(0.05 * k, delta(content="abcd")) for k in range(1, 41)]
     meter = fed(timeline, window=window)
     assert meter.estimated  # live flushes happened
-    meter.usage = Usage(5, 160)
+    meter.usage = Usage(5, 157)  # --stream-interval 4: the first token alone, then 4 an event
     meter.flush(2.1, final=True)
     expected = ItlBuckets()
     expected.add_many(meter.token_gaps())
@@ -64,3 +68,46 @@ def test_the_window_ends_up_holding_the_streams_token_gaps(learned: float | None
     assert counts_of(window) == {i: c for i, c in expected.counts.items() if c}
     assert window.stats(2.1).itl_samples == 156
     assert meter.tokens_per_event == 4.0
+
+
+def vllm_answer(tokens: int, gap: float = 0.05) -> list[tuple[float, bytes]]:
+    """vLLM's stream of a ``tokens``-token answer ending at its EOS: one token an event,
+    then an empty last chunk whose token (the EOS) usage counts."""
+    timeline = [(gap * k, delta(content="x")) for k in range(1, tokens + 1)]
+    return [*timeline, (gap * (tokens + 1), delta(finish="stop", content=""))]
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 40])
+def test_vllms_eos_is_no_gaps_token(tokens: int) -> None:
+    """Usage counts the EOS no output event carried: a one-token answer read as two
+    tokens an event, the window learned that, and the next streams' ITL read half and
+    their tokens/s double (40 against 20) until each ended."""
+    meter = fed(vllm_answer(tokens))
+    meter.usage = Usage(5, tokens + 1)
+    assert meter.token_gaps() == pytest.approx([0.05] * (tokens - 1))
+    assert meter.tokens_per_event == (None if tokens == 1 else 1.0)  # what the window learns
+
+
+def test_a_stop_whose_last_chunk_carried_text_keeps_every_token() -> None:
+    """A stop string ends an answer on a chunk with text: no EOS to take out."""
+    timeline = [(0.05 * k, delta(content="x")) for k in range(1, 4)]
+    meter = fed([*timeline, (0.2, delta(finish="stop", content="y"))])
+    meter.usage = Usage(5, 4)
+    assert meter.token_gaps() == pytest.approx([0.05] * 3)
+
+
+def test_a_young_window_counts_tokens_from_its_creation() -> None:
+    """A fresh gateway's window took its age from its first sample: one 2 s answer of 500
+    tokens ending read 9,088 tokens/s."""
+    window = RollingWindow(5.0, created=10.0)
+    window.add_tokens(12.0, 500)
+    assert window.stats(12.0).output_tokens_per_s == pytest.approx(250.0)
+
+
+def test_a_new_backends_window_is_as_old_as_the_backend() -> None:
+    before = time.perf_counter()
+    replica = Replica(BackendConfig(name="r", url="http://127.0.0.1:1"), "http://127.0.0.1:1")
+    after = time.perf_counter()
+    replica.window.add_tokens(after + 2.0, 500)  # one answer, ending 2 s on
+    rate = replica.window.stats(after + 2.05).output_tokens_per_s
+    assert 500 / (2.05 + after - before) <= rate <= 500 / 2.05

@@ -84,20 +84,27 @@ def test_events_that_merely_mention_errors(event: bytes) -> None:
 
 
 @pytest.mark.parametrize(
-    ("gaps", "events", "completion", "count"),
+    ("gaps", "events", "completion", "empty_stop", "count"),
     [
-        ([0.1, 0.1], 3, 3, 2),  # one token an event: the gaps as they are
-        ([0.1, 0.1], 3, 4, 2),  # the EOS counted, in no output event: no gap of its own
-        ([0.1, 0.2, 0.3], 4, 10, 7),  # 2.5 tokens an event
-        ([0.3], 2, 6, 3),  # three tokens an event
+        ([0.1, 0.1], 3, 3, False, 2),  # one token an event: the gaps as they are
+        ([0.1, 0.1], 3, 4, True, 2),  # vLLM's EOS, in its empty last chunk: no gap's token
+        ([0.1, 0.2, 0.3], 4, 10, False, 9),  # the first token alone, then three an event
+        ([0.3], 2, 6, False, 5),  # the first alone, then five in one event
+        ([0.04, 0.04], 3, 9, False, 8),  # --stream-interval 4: 1, then 4 and 4 (10 ms each)
     ],
 )
 def test_token_gaps_add_up_to_the_time_between_output_events(
-    gaps: list[float], events: int, completion: int, count: int
+    gaps: list[float], events: int, completion: int, empty_stop: bool, count: int
 ) -> None:
+    """The first output event carries one token (vLLM sends the first alone, whatever its
+    --stream-interval); the gaps carry the rest. Spread over every event instead, a first
+    event of one token and events of four read as 13.5 ms gaps where they were 10."""
     measured = StreamMeter(started=0.0, gaps=gaps, output_events=events)
     measured.usage = Usage(prompt_tokens=1, completion_tokens=completion)
+    if empty_stop:
+        measured.finish_reason, measured.finish_empty = "stop", True
     spread = measured.token_gaps()
     assert len(spread) == count
     assert sum(spread) == pytest.approx(sum(gaps))
-    assert min(spread) >= min(gaps) / (-(-completion // events))  # none cut finer than k
+    per_gap = -(-count // len(gaps))
+    assert min(spread) >= min(gaps) / per_gap - 1e-12  # none cut finer than its tokens

@@ -110,6 +110,9 @@ def test_a_second_sequence_finishing_without_output_does_not_set_the_reason() ->
         ({"prompt": ["x", "y"]}, True),
         ({"prompt": [1, 2, 3]}, False),  # token ids: one prompt
         ({"prompt": [[1], [2]]}, True),
+        ({"prompt_embeds": "AAAA"}, False),
+        ({"prompt_embeds": ["AAAA"]}, False),
+        ({"prompt_embeds": ["AAAA", "BBBB"]}, True),  # timed as one before
     ],
 )
 def test_which_requests_may_stream_several_sequences(payload: dict, several: bool) -> None:
