@@ -112,6 +112,16 @@ class ThrottledWarning:
         self._logger.warning(message, *args)
 
 
+class _Hint:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __str__(self) -> str:
+        return shortage_hint(self.exc)
+
+
 def overload_warning() -> ThrottledWarning:
     return ThrottledWarning(log)
 
@@ -130,7 +140,7 @@ def gateway_overloaded(
         request_id,
         replica.name,
         exc,
-        shortage_hint(exc),
+        _Hint(exc),  # read only when the line is logged, not for each one a burst holds back
     )
     return Unavailable(
         f"the gateway is out of resources to reach a backend ({exc}); retry shortly",

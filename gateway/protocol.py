@@ -301,8 +301,9 @@ class GatewayProtocol(HttpToolsProtocol):
         if deadline > now:
             self._body_timer = self.loop.call_at(deadline, self._body_timed_out)
             return
-        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-        log.info("%s sent no more of its request body for %g s: connection closed", client, timeout)
+        log.info(
+            "%s sent no more of its request body for %g s: connection closed", self._peer(), timeout
+        )
         self.flush_held_head()
         if not cycle.response_started:  # else an answer is under way: only the close is left
             self.transport.write(_BODY_TIMEOUT)
@@ -354,9 +355,12 @@ class GatewayProtocol(HttpToolsProtocol):
         """Cut, not closed: a close would wait for the unread bytes to leave. The handler
         then sees its client gone and takes that path (upstream closed, permit released)."""
         self._send_timer = None
-        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-        log.info("%s read nothing for %g s: connection cut", client, self._listen().send_timeout_s)
+        timeout = self._listen().send_timeout_s
+        log.info("%s read nothing for %g s: connection cut", self._peer(), timeout)
         self.transport.abort()
+
+    def _peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
     def handle_websocket_upgrade(self) -> None:
         self.flush_held_head()

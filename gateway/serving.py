@@ -112,14 +112,14 @@ async def serve_with_sims(
     failed: SystemExit | None = None
     async with anyio.create_task_group() as backends:
         for sim in sims:
-            backends.start_soon(_serve, sim.server)
+            backends.start_soon(_serve_then_shut_down, sim.server)
         # uvicorn offers no "started" event to wait on.
         while not all(s.server.started for s in sims):  # noqa: ASYNC110
             await anyio.sleep(0.01)
         async with anyio.create_task_group() as front:
             front.start_soon(_stop_on_signal, gateway, drain or Drain(0.0))
             try:
-                await _serve(gateway)
+                await _serve_then_shut_down(gateway)
             except SystemExit as exc:  # uvicorn could not start (it logged why: a port taken)
                 failed = exc
             front.cancel_scope.cancel()
@@ -132,7 +132,7 @@ async def serve_with_sims(
         raise failed  # once the sims have stopped in order: the exit code, no traceback
 
 
-async def _serve(server: uvicorn.Server) -> None:
+async def _serve_then_shut_down(server: uvicorn.Server) -> None:
     await server._serve()
     if server.force_exit and server.started:
         # Forced, uvicorn skips the app's shutdown, whose task was then cancelled at the

@@ -39,8 +39,8 @@ class Frozen(BaseModel):
 
 
 class ListenConfig(Frozen):
-    # Not empty: asyncio reads "" as every interface (`host: "$HOST"` with HOST unset).
-    host: str = Field("127.0.0.1", min_length=1)
+    # Not blank: asyncio reads "" as every interface (`host: "$HOST"` with HOST unset).
+    host: str = Field("127.0.0.1", pattern=r"\S")
     port: int = Field(8000, ge=0, le=65535)
     # On SIGTERM/Ctrl-C, how long requests in flight and in the queues may take to
     # finish; then the queued ones are answered 503 and the rest cut. Read at startup.

@@ -279,6 +279,7 @@ def test_a_pool_named_by_digits_may_still_be_set_from_the_environment(
     ("config", "path"),
     [
         ({"listen": {"host": ""}}, "listen.host"),  # asyncio: every interface
+        ({"listen": {"host": "  "}}, "listen.host"),  # as the CLI's --host refuses it
         ({"backends": [{"name": "s", "pool": "short", "sim": {"speed": 1e-310}}]}, "sim.speed"),
         ({"backends": [{"name": "s", "pool": "short", "sim": {"speed": 1e4}}]}, "sim.speed"),
     ],
