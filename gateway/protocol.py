@@ -20,6 +20,10 @@ from gateway.settings import ListenConfig
 log = logging.getLogger("kneecap")
 
 ARRIVED_SCOPE_KEY = "kneecap.arrived"
+# A callable that cuts the request's connection at once: a response whose client reads
+# nothing cannot end otherwise, as its close waits for the unread bytes to leave (the
+# relay, at the drain's end).
+CUT_CONNECTION_SCOPE_KEY = "kneecap.cut_connection"
 # httptools buffers a head of any size; a client must not make the gateway hold megabytes
 # of headers per connection. 64 KiB is above what real clients send (Envoy's default limit
 # is 60 KiB, nginx's 32 KiB).
@@ -163,6 +167,7 @@ class GatewayProtocol(HttpToolsProtocol):
     _send_timer: asyncio.TimerHandle | None = None  # the client must read by then
     _body_timer: asyncio.TimerHandle | None = None  # a body must have gone on by then
     _body_read_at = 0.0  # loop time of the last read that left a body unfinished
+    _body_wait_ours = False  # at the body timer's last look, the gateway was not reading
     held_head: HeadWithBody | None = None  # a response head waiting for its body
 
     def flush_held_head(self) -> None:
@@ -177,6 +182,7 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._abort = transport.abort
         # uvicorn times a connection out only once it answered on it: one that never sends
         # a byte would be held for good. Its first read cancels this, as any read does.
         self.timeout_keep_alive_task = self.loop.call_later(
@@ -215,6 +221,7 @@ class GatewayProtocol(HttpToolsProtocol):
         if cycle is not previous:  # the same: an upgrade, which uvicorn handles itself
             cycle.__class__ = _Cycle  # uvicorn builds it; one pointer makes it ours
             cycle.transport = HeadWithBody(self.transport, self.loop, self)  # type: ignore[assignment]
+            self.scope[CUT_CONNECTION_SCOPE_KEY] = self._abort  # type: ignore[typeddict-unknown-key]
 
     def _parsed_head_bytes(self) -> int:
         """The head's bytes parsed so far past the method, each separator counted once."""
@@ -292,10 +299,14 @@ class GatewayProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or self._heading or not cycle.more_body:
             return  # the body ended; a head being read has its own timer
         now = self.loop.time()
-        if self.flow.read_paused or cycle.waiting_for_100_continue:
+        ours = self.flow.read_paused or cycle.waiting_for_100_continue
+        if ours or self._body_wait_ours:
             # The gateway is not reading (the app has not taken what came, or the request
-            # waits behind another), or has not asked for the body yet: its wait, not the client's.
+            # waits behind another), or has not asked for the body yet: its wait, not the
+            # client's. Found over since the last look, it ended in between: the client's
+            # time starts no earlier than now (at most one timeout more for it).
             self._body_read_at = now
+        self._body_wait_ours = ours
         timeout = self._listen().body_timeout_s
         deadline = self._body_read_at + timeout
         if deadline > now:

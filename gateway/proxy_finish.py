@@ -11,6 +11,7 @@ import asyncio
 import json
 from dataclasses import dataclass
 
+import anyio
 import httpx
 
 from backends.replica import Replica
@@ -104,14 +105,20 @@ async def buffered(
         status = "client_closed"  # the client left; the backend did not fail
         raise
     finally:
-        await upstream.aclose()
         try:
-            runtime.recorder.finished(
-                flight, lease.backend.backend, status, usage=usage, finish_reason=finish_reason
-            )
-            _calibrate(runtime, route, usage)
+            if not upstream.close_nowait():  # the https:// body's close must be awaited
+                # The shield keeps anyio's cancellations out, not a task.cancel() (a client
+                # gone, the drain's end): the permit goes back whatever ends this wait.
+                with anyio.CancelScope(shield=True):
+                    await upstream.aclose()
         finally:
-            release_lease(runtime, flight, lease, OUTCOME[status])
+            try:
+                runtime.recorder.finished(
+                    flight, lease.backend.backend, status, usage=usage, finish_reason=finish_reason
+                )
+                _calibrate(runtime, route, usage)
+            finally:
+                release_lease(runtime, flight, lease, OUTCOME[status])
     headers = response_headers(upstream, extra)
     if upstream.status_code not in (204, 304):  # RFC 9110 §8.6: no length on these
         headers.append((b"content-length", str(len(body)).encode()))

@@ -9,13 +9,16 @@ A client that goes away is noticed by the request's
 relay; the cancellation lands in the upstream read or the client write, and
 ``finally`` closes the upstream request and records the stream as ``client_closed``.
 The drain's end (:class:`~gateway.drain.Drain`) cancels that task too: the relay then
-gives the upstream and the permit back and ends the stream with a last error event.
+gives the upstream and the permit back and ends the stream with a last error event, or
+with what was left of a body already over; a client that reads nothing has its
+connection cut.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.drain import CUT_WRITE_S, DRAIN_STATE_KEY, Drain
 from gateway.errors import error_body
 from gateway.meter import StreamMeter
+from gateway.protocol import CUT_CONNECTION_SCOPE_KEY
 from gateway.record import RequestStatus
 from gateway.sse import SSEFramer
 from gateway.upstream_response import UpstreamResponse
@@ -48,6 +52,7 @@ HOP_BY_HOP = frozenset(
 
 
 log = logging.getLogger("kneecap")
+
 
 _NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP | {"date", "server"})
 
@@ -151,6 +156,7 @@ class StreamRelay:
         # Set once the upstream body is over, before the last send: the client may
         # hang up the moment it has the last byte, and that is not a disconnect.
         self._end: StreamEnd | None = None
+        self._due = b""  # once the body is over: what the client has yet to get before its end
         self._recorded: StreamEnd | None = None
         self._finished = False
         self._unframed = False  # inside an event past MAX_HELD_EVENT_BYTES, relayed as it comes
@@ -178,29 +184,42 @@ class StreamRelay:
             if drain is None or task is None or not drain.stopped:
                 raise
             task.uncancel()  # the drain's end: answered here, as a refusal would be
-            await self._cut(send)
+            await self._cut(send, scope.get(CUT_CONNECTION_SCOPE_KEY))
         finally:
             if drain is not None and task is not None:
                 drain.streamed(task)
             if not self._finished:
                 await self._close_and_finish(self._end or self._cut_short())
 
-    async def _cut(self, send: Send) -> None:
-        """The drain is over: upstream and permit go back now, and the client hears why
-        its stream ends, unless it had it all ([DONE]) or reads nothing any more."""
+    async def _cut(self, send: Send, cut_connection: Callable[[], None] | None) -> None:
+        """The drain is over: upstream and permit go back now, and the response ends. An
+        event stream's client hears why, unless it had it all ([DONE]); one whose body was
+        over gets the rest of it; one that reads nothing, nothing: its connection is cut."""
         if not self._finished:
             await self._close_and_finish(self._end or self._cut_short())
         # A send the cancellation interrupted wrote nothing (uvicorn waits for room before
-        # it writes), so what went out ends at an event boundary; but inside an event too
-        # long to hold, which a blank line ends first.
-        error = b"\n\n" + _SHUTTING_DOWN if self._unframed else _SHUTTING_DOWN
-        if self.meter.done:
-            error = b""
+        # it writes): what is left goes out whole.
+        if self._end is not None:  # the cancellation landed in the body's last writes
+            last = self._due
+        elif self.meter.done or not (self.events or self._unframed):
+            last = b""  # the client had it all, or is no SSE client to hear an event
+        elif self._unframed:  # what went out ends inside an event, which a blank line ends
+            last = b"\n\n" + _SHUTTING_DOWN
+        else:
+            last = _SHUTTING_DOWN
+        end = {"type": "http.response.body", "body": b"", "more_body": False}
         try:
             with anyio.move_on_after(CUT_WRITE_S):
-                if error:
-                    await send({"type": "http.response.body", "body": error, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if last:
+                    await send({"type": "http.response.body", "body": last, "more_body": True})
+                await send(end)
+                return
+            if cut_connection is None:
+                return
+            # The client reads nothing. Left to uvicorn, the response would be logged as
+            # never completed and its connection held until listen.send_timeout_s.
+            cut_connection()
+            await send(end)  # returns once the connection is lost: the response is over
         except OSError:
             pass  # the client is gone too
 
@@ -305,7 +324,9 @@ class StreamRelay:
                 # What went out ends inside the released event: a blank line ends it first,
                 # so the error event is one of its own.
                 error = b"\n\n" + error
+            self._due = error
             await send({"type": "http.response.body", "body": error, "more_body": True})
+            self._due = b""
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         # An event the close cut short is still the backend's (a usage chunk may be the
@@ -316,6 +337,7 @@ class StreamRelay:
         elif tail and meter.observe([tail]) is not None:
             tail = b""
         self._end = StreamEnd(self._status(), meter)
+        self._due = tail
         # The backend is done, so its permit goes back before the last write rather than
         # after: a closed-loop client sends its next request the instant that write lands,
         # and it used to wait for this bookkeeping (~0.1 ms with cold caches).

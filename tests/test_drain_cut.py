@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,8 +32,10 @@ from tests.procs import (
     free_port,
     start_gateway,
     start_process,
+    start_sim,
     wait_until,
 )
+from tests.test_front_protocol_fixes import post
 from tests.test_ops_robustness import is_token
 from tests.test_relay_order import CHUNKS, Body, Finisher
 
@@ -266,3 +269,109 @@ def test_a_stream_whose_answer_comes_after_the_drain_is_cut_at_once() -> None:
     asyncio.run(scenario())
     assert log == ["record client_closed", "release client_closed"] and body.closed == 1
     assert b'"code": "shutting_down"' in sent[-2]["body"] and not sent[-1]["more_body"]
+
+
+def test_a_client_reading_nothing_at_the_drain_end_is_cut_at_once(tmp_path: Path) -> None:
+    """A cut stream's client that reads nothing gets no last event: its connection used to
+    be left to close itself, logged "ASGI callable returned without completing response",
+    and the gateway waited on it past its graceful timeout before it could exit."""
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=0.2)
+    gw = start_gateway(
+        tmp_path,
+        {"backends": [backend("sim", sim.url)]},
+        env={"KNEECAP_LISTEN__DRAIN_TIMEOUT_S": "1"},
+    )
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills fast
+    try:
+        stalled.connect(("127.0.0.1", int(gw.url.rsplit(":", 1)[1])))
+        # Long events (logprobs) at 5000 a second: the buffers fill long before the drain ends.
+        body = {**CHAT, "stream": True, "max_tokens": 20_000, "logprobs": True, "top_logprobs": 5}
+        stalled.sendall(post(json.dumps(body).encode()))
+        assert stalled.recv(100).startswith(b"HTTP/1.1 200")  # then reads no more
+        gw.proc.process.send_signal(signal.SIGTERM)
+        assert gw.proc.process.wait(10) == 0
+        output = gw.proc.output()
+        # Out once the drain's 1 s and the cut's write are: not held to uvicorn's graceful
+        # timeout (which then logs at ERROR), nor to listen.send_timeout_s (60 s).
+        assert "timeout graceful shutdown exceeded" not in output, output
+        assert "ASGI callable returned without completing response" not in output, output
+        assert "Traceback" not in output, output
+        assert "ERROR" not in output, output
+    finally:
+        stalled.close()
+        gw.proc.stop()
+        sim.stop()
+
+
+class ResetAfterItsEvents(Body):
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+        raise httpx.ReadError("connection reset")
+
+
+_LAST = b'data: {"choices":[{"delta":{"content":"b"},"finish_reason":"stop"}]}'
+# Bodies over when the drain's end lands in the write of what was left of them: the last
+# event without its blank line (the close cut it short), the [DONE] so, an upstream error.
+ENDED = {
+    "a last event held": ([CHUNKS[0], _LAST], Body, _LAST),
+    "a last [DONE] held": ([CHUNKS[0], _LAST + b"\n\ndata: [DONE]"], Body, b"data: [DONE]"),
+    "an upstream error": ([CHUNKS[0]], ResetAfterItsEvents, b'"code": "upstream_error"'),
+}
+
+
+@pytest.mark.parametrize(("chunks", "kind", "due"), ENDED.values(), ids=ENDED)
+def test_a_cut_landing_in_the_last_write_of_a_body_over_sends_what_was_due(
+    chunks: list[bytes], kind: type[Body], due: bytes
+) -> None:
+    """The body was over: its client used to get a shutting_down event instead of the rest
+    of it (the held tail dropped), though nothing was cut short."""
+    log: list[str] = []
+    drain = Drain(0.0)
+    sent: list[dict] = []
+    upstream = UpstreamResponse(200, [(b"content-type", b"text/event-stream")], kind(chunks))  # type: ignore[arg-type]
+    relay = StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log))
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body" and due in message["body"]:
+            if not drain.stopped:
+                drain.stop()  # lands in this write, which so wrote nothing
+                await asyncio.sleep(0)
+        sent.append(message)
+
+    async def scenario() -> None:
+        scope = {"type": "http", "state": {DRAIN_STATE_KEY: drain}}
+        await asyncio.wait_for(relay(scope, None, send), 5)  # type: ignore[arg-type]
+
+    asyncio.run(scenario())
+    assert drain.stopped, "the cut never landed"
+    bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
+    assert due in [body for body in bodies if body][-1], bodies
+    assert not any(b"shutting_down" in body for body in bodies), bodies
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert len(log) == 2 and log[0].startswith("record") and log[1].startswith("release")
+
+
+def test_a_cut_stream_that_is_no_sse_just_ends() -> None:
+    """NDJSON, text: an SSE error event would be content the client takes for the backend's."""
+    log: list[str] = []
+    body = Endless([b'{"text": "a"}\n'])
+    drain = Drain(0.0)
+    sent: list[dict] = []
+    upstream = UpstreamResponse(200, [(b"content-type", b"application/x-ndjson")], body)  # type: ignore[arg-type]
+    relay = StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log))
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and message["body"] == body.chunks[0]:
+            drain.stop()  # the first line is out: the stream waits on its backend
+
+    async def scenario() -> None:
+        scope = {"type": "http", "state": {DRAIN_STATE_KEY: drain}}
+        await asyncio.wait_for(relay(scope, None, send), 5)  # type: ignore[arg-type]
+
+    asyncio.run(scenario())
+    bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
+    assert bodies == [b'{"text": "a"}\n', b""] and not sent[-1]["more_body"]
+    assert log == ["record client_closed", "release client_closed"] and body.closed == 1

@@ -30,6 +30,9 @@ from tests.test_front_protocol_fixes import CHAT, STATIC_1, answers, post
 TIMEOUT = 0.5
 # Late, on a loaded machine, but far from "never": the timer is not lost.
 LATE = TIMEOUT + 3
+# Where a test races the client's pace or the app's against the body timer, both in one
+# loop: the slack between them is the longest loop stall it survives.
+SLOW_TIMEOUT = 2.0
 
 
 class App:
@@ -84,9 +87,11 @@ def _start(status: int, length: bytes) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def served(app: App) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+async def served(
+    app: App, body_timeout_s: float = TIMEOUT
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
     # What the gateway's lifespan hands its protocols: the runtime, its live settings.
-    listen = ListenConfig.model_validate({"body_timeout_s": TIMEOUT})
+    listen = ListenConfig.model_validate({"body_timeout_s": body_timeout_s})
     settings = SimpleNamespace(listen=listen)
     app_state = {"runtime": SimpleNamespace(current=SimpleNamespace(settings=settings))}
     async with protocol_server(app, app_state) as (_, reader, writer):
@@ -136,25 +141,27 @@ async def test_a_body_that_stops_is_answered_408_and_its_handler_ends(framing: s
 @pytest.mark.anyio
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
 async def test_a_body_that_keeps_coming_is_read_however_long_it_takes(framing: str) -> None:
-    """The timeout is between two reads, not for the whole body: eight pieces, each well
-    within it, take more than twice as long as it, and the body is read whole."""
-    pieces = [b"x" * 100] * 8
+    """The timeout is between two reads, not for the whole body: sixteen pieces, each a
+    tenth of it after the last, take more than one and a half times as long as it, and the
+    body is read whole. The client paces in the server's loop: a stall of that loop longer
+    than the slack between a piece and the timeout would be a 408 of the test's making."""
+    pieces = [b"x" * 50] * 16
     if framing == "chunked":
-        request = [chunked_head(), *(b"64\r\n%s\r\n" % piece for piece in pieces), b"0\r\n\r\n"]
+        request = [chunked_head(), *(b"32\r\n%s\r\n" % piece for piece in pieces), b"0\r\n\r\n"]
     else:
         whole = post(b"".join(pieces), close=True)
         head = len(whole) - 800
-        request = [whole[:head], *(whole[head + i * 100 : head + (i + 1) * 100] for i in range(8))]
+        request = [whole[:head], *(whole[head + i * 50 : head + (i + 1) * 50] for i in range(16))]
     app = App()
     loop = asyncio.get_running_loop()
-    async with served(app) as (reader, writer):
+    async with served(app, SLOW_TIMEOUT) as (reader, writer):
         started = loop.time()
         for part in request:
             writer.write(part)
             await writer.drain()
-            await asyncio.sleep(TIMEOUT * 0.3)  # the client's pace: the scenario, not a wait
+            await asyncio.sleep(SLOW_TIMEOUT * 0.1)  # the client's pace: the scenario, not a wait
         raw = await asyncio.wait_for(reader.read(), 10)
-    assert loop.time() - started > TIMEOUT * 2
+    assert loop.time() - started > SLOW_TIMEOUT * 1.5
     assert [(status, json.loads(body)) for status, _, body in answers(raw)] == [
         (200, {"body_bytes": 800})
     ], raw
@@ -202,13 +209,16 @@ async def test_a_body_the_gateway_has_not_asked_for_is_not_timed(expect: bool) -
     app = App(gate=gate)
     body = b"x" * 300_000  # past uvicorn's 64 KiB high-water mark: reading pauses
     loop = asyncio.get_running_loop()
-    async with served(app) as (reader, writer):
+    async with served(app, SLOW_TIMEOUT) as (reader, writer):
         if expect:
             request = post(body, b"expect: 100-continue\r\n", close=True)
             writer.write(request[: -len(body)])
         else:
             writer.write(post(body, close=True))
-        timed = loop.call_later(TIMEOUT * 3, gate.set)  # the app's own pace: the scenario
+        # The app's own pace, the scenario: half way between two looks of the body timer
+        # (at 1 and 2 timeouts: the second finds the app reading), so that a stall of the
+        # loop shorter than half a timeout cannot put the gate and a look in one turn.
+        timed = loop.call_later(SLOW_TIMEOUT * 1.5, gate.set)
         if expect:
             assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10) == (
                 b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -219,6 +229,32 @@ async def test_a_body_the_gateway_has_not_asked_for_is_not_timed(expect: bool) -
     assert [(status, json.loads(answer)) for status, _, answer in answers(raw)] == [
         (200, {"body_bytes": len(body)})
     ], raw[:300]
+
+
+@pytest.mark.anyio
+async def test_a_client_asked_for_its_body_has_the_whole_timeout_from_then() -> None:
+    """The app asks for the body (``100 Continue``) half a timeout before the timer's next
+    look, and the client sends it three quarters of a timeout later, within the timeout:
+    the body is read. (The look found no read since the one before, when the wait was
+    the gateway's, and answered 408.)"""
+    timeout = 1.0
+    gate = asyncio.Event()
+    app = App(gate=gate)
+    body = b"x" * 10
+    loop = asyncio.get_running_loop()
+    async with served(app, timeout) as (reader, writer):
+        request = post(body, b"expect: 100-continue\r\n", close=True)
+        writer.write(request[: -len(body)])
+        timed = loop.call_later(timeout * 2.5, gate.set)  # between the looks at 2 and 3
+        continued = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert continued == b"HTTP/1.1 100 Continue\r\n\r\n"
+        await asyncio.sleep(timeout * 0.75)  # the client's pace: the scenario, not a wait
+        writer.write(body)
+        raw = await asyncio.wait_for(reader.read(), 10)
+        timed.cancel()
+    assert [(status, json.loads(answer)) for status, _, answer in answers(raw)] == [
+        (200, {"body_bytes": len(body)})
+    ], raw
 
 
 def test_a_proxied_request_whose_body_stops_is_answered_408_and_the_next_admitted(

@@ -195,6 +195,52 @@ def test_embeddings_of_a_list_of_token_ids_is_one_input(sim: Proc) -> None:
     assert several["usage"]["prompt_tokens"] == 5
 
 
+# The simulator's one reader of a list prompt (backends/sim/prompt_list.py), read laxly as
+# vLLM's pydantic reads it: (prompt, inputs, tokens).
+LAX_LISTS = [(["1", 2], 1, 2), ([["1"], [2, "3"]], 2, 3), (["abcdefgh", "abcd"], 2, 3)]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "inputs", "tokens"), LAX_LISTS, ids=["lax-ids", "lax-id-lists", "strings"]
+)
+def test_tokenize_and_embeddings_read_a_list_as_completions_do(
+    sim: Proc, prompt: list, inputs: int, tokens: int
+) -> None:
+    """``/tokenize`` counts what ``/v1/completions`` runs, and vLLM reads embeddings'
+    ``input`` as the same union. Before, both had their own reader: ``["1", 2]`` was one
+    prompt of ids [1, 2] to /v1/completions, a 400 (TypeError) to /tokenize and two
+    inputs to /v1/embeddings."""
+    served = post(sim, {"prompt": prompt, "max_tokens": 1})
+    assert served.status_code == 200, served.text
+    assert (len(served.json()["choices"]), served.json()["usage"]["prompt_tokens"]) == (
+        inputs,
+        tokens,
+    )
+    counted = httpx.post(sim.url + "/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=30)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] == tokens
+    embedded = post(sim, {"input": prompt}, "/v1/embeddings")
+    assert embedded.status_code == 200, embedded.text
+    assert (len(embedded.json()["data"]), embedded.json()["usage"]["prompt_tokens"]) == (
+        inputs,
+        tokens,
+    )
+
+
+def test_a_list_no_reader_reads_is_refused_alike(sim: Proc) -> None:
+    """A list that no branch of the union reads: /tokenize answers /v1/completions' 400
+    (it answered "prompt: invalid: TypeError"), embeddings locate it at ``input``."""
+    refused = post(sim, {"prompt": ["a", 1], "max_tokens": 1})
+    tokenized = httpx.post(
+        sim.url + "/tokenize", json={"model": MODEL, "prompt": ["a", 1]}, timeout=30
+    )
+    assert error_of(tokenized) == error_of(refused)
+    assert error_of(refused)[1] == "body.prompt.0"
+    message, param = error_of(post(sim, {"input": ["a", 1]}, "/v1/embeddings"))
+    assert param == "body.input.0"
+    assert "'loc': 'body.input.1'" in message and "body.prompt" not in message
+
+
 # --- 3. a profile names its engine ------------------------------------------------
 
 

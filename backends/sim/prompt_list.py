@@ -1,5 +1,7 @@
 """``/v1/completions``' ``prompt`` when it is a list, read as vLLM 0.32's pydantic reads
 ``list[int] | list[list[int]] | str | list[str]``, and split into prompts as vLLM renders it.
+The simulator's one reader of a list prompt: ``/v1/embeddings``' ``input`` is the same
+union in vLLM, and ``/tokenize`` counts what ``/v1/completions`` would run.
 
 pydantic tries the union's branches strictly, then laxly, and the first that reads the
 value wins: ``["1", 2]`` is two token ids, ``["1", "2"]`` two prompts. When none does,
@@ -18,9 +20,10 @@ from backends.sim.request_fields import Invalid, Unreadable, integer
 LOC = "body.prompt"
 
 
-def prompts(value: list[Any]) -> list[str | list[int]]:
+def prompts(value: list[Any], loc: str = LOC) -> list[str | list[int]]:
     """The prompts a list holds: one of token ids, or one per string or id list;
-    :class:`Unreadable` with pydantic's errors when no branch of the union reads it."""
+    :class:`Unreadable` with pydantic's errors, located at ``loc``, when no branch of the
+    union reads it."""
     for strict in (True, False):
         if all(_is_int(item, strict) for item in value):
             # An empty list reads as no ids at all: no prompt (vLLM's renderer).
@@ -31,7 +34,7 @@ def prompts(value: list[Any]) -> list[str | list[int]]:
             return [[_int(i) for i in item] for item in value]
         if all(isinstance(item, str) for item in value):
             return list(value)
-    raise Unreadable(*_errors(value))
+    raise Unreadable(*_errors(value, loc))
 
 
 def _is_int(item: object, strict: bool) -> bool:
@@ -46,17 +49,17 @@ def _int(item: object) -> int:
     return number
 
 
-def _errors(value: list[Any]) -> list[Invalid]:
+def _errors(value: list[Any], loc: str) -> list[Invalid]:
     """Each branch's errors, in the union's order."""
-    errors = [e for i, item in enumerate(value) for e in _int_errors(item, f"{LOC}.{i}")]
+    errors = [e for i, item in enumerate(value) for e in _int_errors(item, f"{loc}.{i}")]
     for i, item in enumerate(value):
         if not isinstance(item, list):
-            errors.append(Invalid("list_type", f"{LOC}.{i}", item))
+            errors.append(Invalid("list_type", f"{loc}.{i}", item))
         else:
-            errors += [e for j, x in enumerate(item) for e in _int_errors(x, f"{LOC}.{i}.{j}")]
-    errors.append(Invalid("string_type", LOC, value))
+            errors += [e for j, x in enumerate(item) for e in _int_errors(x, f"{loc}.{i}.{j}")]
+    errors.append(Invalid("string_type", loc, value))
     errors += [
-        Invalid("string_type", f"{LOC}.{i}", item)
+        Invalid("string_type", f"{loc}.{i}", item)
         for i, item in enumerate(value)
         if not isinstance(item, str)
     ]

@@ -24,9 +24,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from backends.sim import multi, validate, wire
+from backends.sim import multi, prompt_list, validate, wire
 from backends.sim.arrival import arrival_of
 from backends.sim.base import AsyncEngine, GenerationRequest, TokenIterator
+from backends.sim.request_fields import Unreadable, validation_error
 from backends.sim.tokenizer import count_chat_tokens, count_text_tokens
 
 EMBEDDING_DIM = 16
@@ -44,13 +45,22 @@ def _error(
 
 
 def _prompt_tokens(payload: dict[str, Any]) -> int:
-    """What ``/tokenize`` counts: the messages, or every prompt of ``prompt``."""
+    """What ``/tokenize`` counts: the messages, or every prompt of ``prompt``.
+
+    vLLM 0.32's ``/tokenize`` takes a string only (a list is its 400); the simulator counts
+    a list as ``/v1/completions`` reads it, each prompt once, and the gateway's backend
+    estimator counts a batch so."""
     if "messages" in payload:
         return count_chat_tokens(payload["messages"])
     prompt = payload.get("prompt", "")
     if isinstance(prompt, list):
-        return sum(validate.tokens_of(p) for p in validate.prompts_of(prompt))
+        return sum(validate.tokens_of(p) for p in prompt_list.prompts(prompt))
     return count_text_tokens(str(prompt))
+
+
+def _unreadable(unreadable: Unreadable) -> Response:
+    bad = validation_error(unreadable.errors)
+    return _error(bad.message, 400, bad.error_type, bad.param)
 
 
 class _Completions:
@@ -330,15 +340,19 @@ def create_sim_app(engine: AsyncEngine, model: str) -> ASGIApp:
         inputs = payload.get("input")
         if not isinstance(inputs, str | list) or not inputs:
             return _error("input: field required", 400, param="input")
+        # vLLM reads `input` as /v1/completions' `prompt`: a string or a list of token ids
+        # is one input; a list of either, one each.
+        items: list[str | list[int]] = [inputs] if isinstance(inputs, str) else []
+        if isinstance(inputs, list):
+            try:
+                items = prompt_list.prompts(inputs, "body.input")
+            except Unreadable as unreadable:
+                return _unreadable(unreadable)
         data = []
         total = 0
-        # A string or a list of token ids is one input; a list of either, one each.
-        for index, item in enumerate(validate.prompts_of(inputs)):
+        for index, item in enumerate(items):
             text = item if isinstance(item, str) else json.dumps(item)
-            try:
-                total += validate.tokens_of(item)
-            except TypeError:
-                total += count_text_tokens(text)
+            total += validate.tokens_of(item)
             digest = hashlib.sha256(text.encode()).digest()
             vector = [
                 round(v / 255.0, 6)
@@ -365,6 +379,8 @@ def create_sim_app(engine: AsyncEngine, model: str) -> ASGIApp:
             return payload
         try:
             count = _prompt_tokens(payload)
+        except Unreadable as unreadable:
+            return _unreadable(unreadable)
         except (AttributeError, TypeError, UnicodeEncodeError) as exc:
             return _error(f"prompt: invalid: {type(exc).__name__}", 400)
         return JSONResponse(

@@ -69,29 +69,10 @@ class Asked:
         return max(1, len(self.prompts)) * self.n
 
 
-def prompts_of(prompt: Any) -> list[Any]:
-    """The prompts a ``prompt`` (or embeddings ``input``) holds: a string or a list of
-    token ids is one; a list of strings or of id lists is one per item."""
-    if isinstance(prompt, list) and prompt and all(_is_id(p) for p in prompt):
-        return [prompt]
-    if isinstance(prompt, list):
-        return prompt
-    return [prompt]
-
-
-def tokens_of(prompt: Any) -> int:
-    """One prompt's length: a list of token ids counts its ids."""
-    if isinstance(prompt, list):
-        if not all(_is_id(p) for p in prompt):
-            raise TypeError("a prompt is a string or a list of token ids")
-        return len(prompt)
-    if not isinstance(prompt, str):
-        raise TypeError("a prompt is a string or a list of token ids")
-    return count_text_tokens(prompt)
-
-
-def _is_id(item: object) -> bool:
-    return isinstance(item, int) and not isinstance(item, bool)
+def tokens_of(prompt: str | list[int]) -> int:
+    """One prompt's length, as :mod:`.prompt_list` reads it: a list of token ids counts
+    its ids."""
+    return len(prompt) if isinstance(prompt, list) else count_text_tokens(prompt)
 
 
 def read(payload: dict[str, Any], chat: bool, max_model_len: int) -> Asked:
