@@ -160,8 +160,10 @@ class StreamRelay:
         self._recorded: StreamEnd | None = None
         self._finished = False
         self._unframed = False  # inside an event past MAX_HELD_EVENT_BYTES, relayed as it comes
+        self._cut_connection: Callable[[], None] | None = None  # the protocol's, per request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._cut_connection = scope.get(CUT_CONNECTION_SCOPE_KEY)
         # The drain's end cancels this task; that, not a check per chunk, is how the
         # stream learns of it. (~0.5 µs a stream, most of it current_task on Python 3.11.)
         state = scope.get("state")
@@ -184,7 +186,7 @@ class StreamRelay:
             if drain is None or task is None or not drain.stopped:
                 raise
             task.uncancel()  # the drain's end: answered here, as a refusal would be
-            await self._cut(send, scope.get(CUT_CONNECTION_SCOPE_KEY))
+            await self._cut(send, self._cut_connection)
         finally:
             if drain is not None and task is not None:
                 drain.streamed(task)
@@ -319,6 +321,14 @@ class StreamRelay:
             timed_out = isinstance(exc, httpx.TimeoutException)
             status: RequestStatus = "upstream_timeout" if timed_out else "upstream_error"
             self._end = StreamEnd(status, meter, message)
+            if not (self.events or self._unframed):
+                # No event stream: an SSE event would corrupt NDJSON or text, and a clean
+                # end would pass the cut body off as whole. An unfinished body is how HTTP
+                # says it failed: the connection is cut before the end goes out.
+                if self._cut_connection is not None:
+                    self._cut_connection()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
             error = error_event(message)
             if self._unframed:
                 # What went out ends inside the released event: a blank line ends it first,

@@ -518,3 +518,27 @@ def test_a_read_timeout_shortened_by_a_reload_cuts_the_next_stall_in_time(
 def test_nothing_is_left_taken(gw: Gateway) -> None:
     """Whatever the cases above did to their streams, every permit came back."""
     assert idle(gw)
+
+
+def test_an_answer_that_is_no_sse_cut_mid_body_is_cut_for_the_client_too(gw: Gateway) -> None:
+    """NDJSON cut by the backend: the client got an SSE error event appended to its JSON
+    lines and a clean end, as if the body were whole. Now its body is cut as the backend's
+    was, and the request is the backend's failure."""
+    head = "HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+    first = b'{"line": 1}\n'
+    script = [["send", head + "transfer-encoding: chunked\r\n\r\n"], *chunks(first), ["reset"]]
+    request_id = new_id("edge")
+    data = b""
+    with pytest.raises(httpx.HTTPError):  # the body did not end: the client can tell
+        with httpx.stream(
+            "POST",
+            gw.url + CHAT,
+            json=body(script),
+            headers={"x-request-id": request_id},
+            timeout=10,
+        ) as response:
+            assert response.status_code == 200
+            for part in response.iter_raw():
+                data += part
+    assert data == first
+    assert record_of(gw, request_id)["status"] == "upstream_error"
