@@ -15,6 +15,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -183,24 +184,35 @@ class Endless(Body):
         yield b""  # pragma: no cover
 
 
-def test_a_cut_stream_is_closed_recorded_and_released_once() -> None:
+def cut_relay(body: Body, content_type: bytes = b"text/event-stream") -> tuple[StreamRelay, list]:
+    """A relay of ``body`` whose finisher logs what it records and releases."""
     log: list[str] = []
-    body = Endless(CHUNKS)
-    drain = Drain(0.0)
-    sent: list[dict] = []
-    upstream = UpstreamResponse(200, [(b"content-type", b"text/event-stream")], body)  # type: ignore[arg-type]
-    relay = StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log))
+    upstream = UpstreamResponse(200, [(b"content-type", content_type)], body)  # type: ignore[arg-type]
+    return StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log)), log
 
-    async def send(message: dict) -> None:
-        sent.append(message)
-        if message["type"] == "http.response.body" and message["body"] == CHUNKS[0]:
-            drain.stop()  # the first event is out: the stream waits on its backend
+
+def run_relay(relay: StreamRelay, drain: Drain, send: Any) -> None:
+    """The relay served under ``drain``, to its end (at most 5 s)."""
 
     async def scenario() -> None:
         scope = {"type": "http", "state": {DRAIN_STATE_KEY: drain}}
         await asyncio.wait_for(relay(scope, None, send), 5)  # type: ignore[arg-type]
 
     asyncio.run(scenario())
+
+
+def test_a_cut_stream_is_closed_recorded_and_released_once() -> None:
+    body = Endless(CHUNKS)
+    drain = Drain(0.0)
+    sent: list[dict] = []
+    relay, log = cut_relay(body)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and message["body"] == CHUNKS[0]:
+            drain.stop()  # the first event is out: the stream waits on its backend
+
+    run_relay(relay, drain, send)
     assert log == ["record client_closed", "release client_closed"]
     assert body.closed == 1
     bodies = [m for m in sent if m["type"] == "http.response.body"]
@@ -229,11 +241,9 @@ class SlowToClose(Body):
 def test_a_cut_landing_in_the_upstream_close_still_releases_the_permit() -> None:
     """The shield around the close keeps anyio's cancellations out, not a task's own:
     the cut used to skip the release, and the backend's permit was never given back."""
-    log: list[str] = []
     body = SlowToClose(CHUNKS)
     drain = Drain(0.0)
-    upstream = UpstreamResponse(200, [(b"content-type", b"text/event-stream")], body)  # type: ignore[arg-type]
-    relay = StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log))
+    relay, log = cut_relay(body)
 
     async def send(message: dict) -> None:
         pass
@@ -251,22 +261,16 @@ def test_a_cut_landing_in_the_upstream_close_still_releases_the_permit() -> None
 
 def test_a_stream_whose_answer_comes_after_the_drain_is_cut_at_once() -> None:
     """Its backend answered after the drain's end: nothing would cut it before uvicorn."""
-    log: list[str] = []
     body = Endless(CHUNKS)
     drain = Drain(0.0)
     drain.stop()
     sent: list[dict] = []
-    upstream = UpstreamResponse(200, [(b"content-type", b"text/event-stream")], body)  # type: ignore[arg-type]
-    relay = StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log))
+    relay, log = cut_relay(body)
 
     async def send(message: dict) -> None:
         sent.append(message)
 
-    async def scenario() -> None:
-        scope = {"type": "http", "state": {DRAIN_STATE_KEY: drain}}
-        await asyncio.wait_for(relay(scope, None, send), 5)  # type: ignore[arg-type]
-
-    asyncio.run(scenario())
+    run_relay(relay, drain, send)
     assert log == ["record client_closed", "release client_closed"] and body.closed == 1
     assert b'"code": "shutting_down"' in sent[-2]["body"] and not sent[-1]["more_body"]
 
@@ -327,11 +331,9 @@ def test_a_cut_landing_in_the_last_write_of_a_body_over_sends_what_was_due(
 ) -> None:
     """The body was over: its client used to get a shutting_down event instead of the rest
     of it (the held tail dropped), though nothing was cut short."""
-    log: list[str] = []
     drain = Drain(0.0)
     sent: list[dict] = []
-    upstream = UpstreamResponse(200, [(b"content-type", b"text/event-stream")], kind(chunks))  # type: ignore[arg-type]
-    relay = StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log))
+    relay, log = cut_relay(kind(chunks))
 
     async def send(message: dict) -> None:
         if message["type"] == "http.response.body" and due in message["body"]:
@@ -340,11 +342,7 @@ def test_a_cut_landing_in_the_last_write_of_a_body_over_sends_what_was_due(
                 await asyncio.sleep(0)
         sent.append(message)
 
-    async def scenario() -> None:
-        scope = {"type": "http", "state": {DRAIN_STATE_KEY: drain}}
-        await asyncio.wait_for(relay(scope, None, send), 5)  # type: ignore[arg-type]
-
-    asyncio.run(scenario())
+    run_relay(relay, drain, send)
     assert drain.stopped, "the cut never landed"
     bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
     assert due in [body for body in bodies if body][-1], bodies
@@ -355,23 +353,17 @@ def test_a_cut_landing_in_the_last_write_of_a_body_over_sends_what_was_due(
 
 def test_a_cut_stream_that_is_no_sse_just_ends() -> None:
     """NDJSON, text: an SSE error event would be content the client takes for the backend's."""
-    log: list[str] = []
     body = Endless([b'{"text": "a"}\n'])
     drain = Drain(0.0)
     sent: list[dict] = []
-    upstream = UpstreamResponse(200, [(b"content-type", b"application/x-ndjson")], body)  # type: ignore[arg-type]
-    relay = StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log))
+    relay, log = cut_relay(body, b"application/x-ndjson")
 
     async def send(message: dict) -> None:
         sent.append(message)
         if message["type"] == "http.response.body" and message["body"] == body.chunks[0]:
             drain.stop()  # the first line is out: the stream waits on its backend
 
-    async def scenario() -> None:
-        scope = {"type": "http", "state": {DRAIN_STATE_KEY: drain}}
-        await asyncio.wait_for(relay(scope, None, send), 5)  # type: ignore[arg-type]
-
-    asyncio.run(scenario())
+    run_relay(relay, drain, send)
     bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
     assert bodies == [b'{"text": "a"}\n', b""] and not sent[-1]["more_body"]
     assert log == ["record client_closed", "release client_closed"] and body.closed == 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import logging
 import shutil
 import subprocess
@@ -27,7 +26,7 @@ from gateway.overload import ThrottledWarning
 from gateway.upstream import UpstreamTransport
 from tests.procs import backend, start_gateway, wait_until
 from tests.test_ops_robustness import counts, start_ops_backend
-from tests.test_proxy_front_fixes import _RefusingTls
+from tests.test_proxy_front_fixes import _RefusingTls, run_scenario
 
 REPO = Path(__file__).resolve().parent.parent
 OWN_LIMIT = "the gateway's own limit"
@@ -104,7 +103,7 @@ _NO_LOCAL_PORT_LEFT = textwrap.dedent(
 
 @pytest.mark.skipif(not _own_network_namespace(), reason="needs `unshare -n` and `ip`")
 def test_no_local_port_left_is_the_gateways_503_not_the_backends_failure(tmp_path: Path) -> None:
-    done = subprocess.run(
+    result, _ = run_scenario(
         [
             "unshare",
             "-n",
@@ -115,13 +114,8 @@ def test_no_local_port_left_is_the_gateways_503_not_the_backends_failure(tmp_pat
             _NO_LOCAL_PORT_LEFT,
             str(tmp_path),
         ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["held"] >= 1  # the range was used up by the holders, not before them
     assert result["status"] == 503, result  # was 502: the backend blamed and ejected
     assert result["error"]["code"] == "gateway_overloaded"
@@ -200,7 +194,7 @@ def test_a_name_of_two_addresses_neither_with_a_port_left_is_the_gateways_shorta
 ) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 dual\n::1 dual\n")
-    done = subprocess.run(
+    results, _ = run_scenario(
         [
             "unshare",
             "-n",
@@ -212,13 +206,8 @@ def test_a_name_of_two_addresses_neither_with_a_port_left_is_the_gateways_shorta
             _EVERY_ADDRESS_WITHOUT_A_PORT,
             str(hosts),
         ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=60,
     )
-    assert done.returncode == 0, done.stderr
-    results = json.loads(done.stdout.strip().splitlines()[-1])
     assert results == {
         "http:5000": "GatewayOutOfResources",
         "https:5000": "GatewayOutOfResources",  # was ConnectError: the backend blamed
@@ -280,15 +269,10 @@ _LOOKUP_WITHOUT_DESCRIPTORS = textwrap.dedent(
 def test_a_name_lookup_without_descriptors_is_the_gateways_shortage() -> None:
     """Passed before this change too (the errno is EMFILE): kept as the proof that the
     lookup's failure is told apart, on both transports."""
-    done = subprocess.run(
+    results, _ = run_scenario(
         [sys.executable, "-c", _LOOKUP_WITHOUT_DESCRIPTORS, "9"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=30,
     )
-    assert done.returncode == 0, done.stderr
-    results = json.loads(done.stdout.strip().splitlines()[-1])
     for url, (raised, in_lookup) in results.items():
         assert raised == "GatewayOutOfResources", url
         assert in_lookup, url  # the lookup failed, not a socket() after it

@@ -126,19 +126,22 @@ _PROBE_WITHOUT_DESCRIPTORS = textwrap.dedent(
 )
 
 
+def run_scenario(command: list[str], timeout: float) -> tuple[Any, str]:
+    """Run ``command`` from the repository (a scenario in a process or namespace of its
+    own): what it printed last, read as JSON, and its log."""
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
 def test_out_of_descriptors_is_the_gateways_error_and_no_probe_verdict(echo: Proc) -> None:
-    done = subprocess.run(
+    result, log = run_scenario(
         [sys.executable, "-c", _PROBE_WITHOUT_DESCRIPTORS, echo.url],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=30,
     )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["post"] == "GatewayOutOfResources"  # an httpx.ConnectError still
     assert result["healthy"] is True  # the probe could not ask: no verdict, no DOWN
-    assert "the gateway's own limit" in done.stderr
+    assert "the gateway's own limit" in log
 
 
 class _RefusingTls(httpx.AsyncBaseTransport):

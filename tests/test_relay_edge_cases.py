@@ -114,12 +114,16 @@ def relayed(
     script: list[list[Any]],
     asked: bool = False,
     poke: tuple[Proc, bytes] | None = None,
+    *,
+    request_id: str | None = None,
+    got: bytearray | None = None,
 ) -> tuple[bytes, dict]:
     """What the client got of a streamed answer to ``script``, and the request's record.
 
-    ``poke``: (backend, bytes): the backend is poked once the client got those bytes."""
-    request_id = new_id("edge")
-    data = b""
+    ``poke``: (backend, bytes): the backend is poked once the client got those bytes.
+    ``got``: where the bytes also go as they come, for a stream that ends in an error."""
+    request_id = request_id or new_id("edge")
+    data = got if got is not None else bytearray()
     with httpx.stream(
         "POST",
         gw.url + CHAT,
@@ -133,7 +137,7 @@ def relayed(
             if poke is not None and poke[1] in data:
                 assert httpx.get(poke[0].url + "/poke", timeout=5).status_code == 200
                 poke = None
-    return data, record_of(gw, request_id)
+    return bytes(data), record_of(gw, request_id)
 
 
 def events_of(data: bytes) -> list[bytes]:
@@ -528,17 +532,8 @@ def test_an_answer_that_is_no_sse_cut_mid_body_is_cut_for_the_client_too(gw: Gat
     first = b'{"line": 1}\n'
     script = [["send", head + "transfer-encoding: chunked\r\n\r\n"], *chunks(first), ["reset"]]
     request_id = new_id("edge")
-    data = b""
+    got = bytearray()
     with pytest.raises(httpx.HTTPError):  # the body did not end: the client can tell
-        with httpx.stream(
-            "POST",
-            gw.url + CHAT,
-            json=body(script),
-            headers={"x-request-id": request_id},
-            timeout=10,
-        ) as response:
-            assert response.status_code == 200
-            for part in response.iter_raw():
-                data += part
-    assert data == first
+        relayed(gw, script, request_id=request_id, got=got)
+    assert got == first
     assert record_of(gw, request_id)["status"] == "upstream_error"
