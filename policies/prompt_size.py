@@ -22,11 +22,11 @@ class PromptShape:
     texts: tuple[str, ...]  # the text to tokenize: message contents, tools, prompts
     messages: int  # chat messages (each adds template overhead); 0 for completions
     token_ids: int  # prompt tokens given as ids, counted exactly
-    # Characters of ``texts`` a chat template may leave out or rewrite: the tool definitions
-    # (a template may not render them, some not with ``tool_choice: "none"``) and the JSON
-    # of tool calls (rendered in the template's own words). Only the rest surely counts.
-    optional_chars: int = 0
-    optional_texts: int = 0  # how many of ``texts``, at their end, those characters are
+    # How many of ``texts``, at their end, a chat template may leave out or rewrite: the tool
+    # definitions (a template may not render them, some not with ``tool_choice: "none"``)
+    # and the JSON of tool calls (rendered in the template's own words). Only the rest
+    # surely counts.
+    optional_texts: int = 0
     # A list of prompts or inputs is a batch of sequences, each with its own context: the
     # longest one's size and the whole's (characters, or ids when they are ids). Whole
     # numbers, not their ratio: a float ratio turns 2,047 of 2,214 ids into 2,047.0000000000002.
@@ -44,7 +44,7 @@ class PromptShape:
     @property
     def rendered_chars(self) -> int:
         """The characters every template renders: what a lower bound may count on."""
-        return self.chars - self.optional_chars
+        return sum(len(t) for t in self.texts[: len(self.texts) - self.optional_texts])
 
     @property
     def chat(self) -> bool:
@@ -101,7 +101,6 @@ def shape_of(payload: Mapping[str, Any]) -> PromptShape:
             (*texts, *optional),
             max(1, len(messages)),
             0,
-            optional_chars=sum(map(len, optional)),
             optional_texts=len(optional),
             media=media,
             sequences=copies,
