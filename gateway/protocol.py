@@ -14,6 +14,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from gateway.eager import start_eagerly
 from gateway.errors import InternalError
 from gateway.settings import ListenConfig
 
@@ -169,6 +170,8 @@ class GatewayProtocol(HttpToolsProtocol):
     _body_read_at = 0.0  # loop time of the last read that left a body unfinished
     _body_wait_ours = False  # at the body timer's last look, the gateway was not reading
     held_head: HeadWithBody | None = None  # a response head waiting for its body
+    _feeding = False  # the parser is reading: a request whose head ended waits for the read's end
+    _deferred: tuple[RequestResponseCycle, Any] | None = None  # that request (cycle, app)
 
     def flush_held_head(self) -> None:
         """Before the protocol writes or closes on its own: the held head goes first."""
@@ -233,22 +236,52 @@ class GatewayProtocol(HttpToolsProtocol):
         # than left to swallow the request's body (and what follows it) unread.
         self._read = len(data)
         self._unset_keepalive_if_required()
+        self._feeding = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            self._start_deferred(eagerly=False)
             self.logger.warning("Invalid HTTP request received.")
             self.send_400_response(f"Invalid HTTP request: {exc}")
             return
         except httptools.HttpParserUpgrade as upgrade:
+            self._feeding = False
             if self._should_upgrade():
+                self._start_deferred(eagerly=False)
                 self.handle_websocket_upgrade()
             else:
                 self._read_on_without_upgrade(data[upgrade.args[0] :])
             return
+        finally:
+            self._feeding = False
+        self._start_deferred(eagerly=True)
         if self._heading:  # rare: a head split across reads
             self._head_left_unfinished()
         elif self.cycle is not None and self.cycle.more_body:  # rare: a body split across reads
             self._body_left_unfinished()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        if self._feeding:
+            self._deferred = (cycle, app)  # see _start_deferred
+            return
+        super()._start_asgi_task(cycle, app)
+
+    def _start_deferred(self, *, eagerly: bool) -> None:
+        """The request whose head ended in this read starts now, its first step run at once
+        (``gateway/eager.py``): a request that came whole goes upstream in this loop turn,
+        not behind every callback already due. After a parse error, as uvicorn would."""
+        deferred = self._deferred
+        if deferred is None:
+            return
+        self._deferred = None
+        cycle, app = deferred
+        if not eagerly or asyncio.current_task(self.loop) is not None:
+            # (data_received called from a task, as tests do: no task may run inside another)
+            super()._start_asgi_task(cycle, app)
+            return
+        task = start_eagerly(self.loop, cycle.run_asgi(app))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
 
     def _head_left_unfinished(self) -> None:
         """A read ended inside a head: count it, so that one that never ends is held to at

@@ -1,0 +1,104 @@
+"""Start a request's task in the loop turn that read it, as Python 3.12's eager tasks do.
+
+A task made by ``loop.create_task`` runs its first step only once the loop comes round
+to it, behind every callback already due: on a gateway relaying many streams, those are
+other streams' chunks. A request that arrived whole has nothing to wait for before its
+upstream write, yet it waited for them. Paced bench (64 streams), alternated against the
+code before: receipt to upstream write p50 0.72 → 0.58 ms, client TTFT p50 0.23 ms lower.
+
+Python 3.12 has this as ``Task(..., eager_start=True)``. For 3.11: the task is created
+around a primed continuation, then the coroutine's first step runs at once, as that task
+(``asyncio.current_task()`` is it; ``_enter_task`` is what 3.12's eager start calls) and
+in the task's context. The task's first scheduled step takes over wherever the
+coroutine suspended; a cancel that comes before it reaches the coroutine there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import sys
+import types
+from asyncio.tasks import _enter_task, _leave_task  # type: ignore[attr-defined]
+from collections.abc import Coroutine, Generator
+from typing import Any
+
+
+def start_eagerly(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]
+) -> asyncio.Task[Any]:
+    """A task running ``coro``, whose first step has run by the time this returns. Call it
+    only where no task is running (a protocol's ``data_received``)."""
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, loop=loop, eager_start=True)  # type: ignore[call-arg]
+    step = _FirstStep(coro)
+    rest = _rest(step)
+    rest.send(None)  # primed: see _rest
+    context = contextvars.copy_context()
+    task = loop.create_task(rest, context=context)
+    _enter_task(loop, task)
+    try:
+        step.yielded = context.run(coro.send, None)
+    except StopIteration as stop:
+        step.finished, step.result = True, stop.value
+    except (KeyboardInterrupt, SystemExit) as exc:
+        step.finished, step.error = True, exc
+        raise  # as a task's step does: the loop hears of it now, the task later
+    except BaseException as exc:  # the task's first step raises it, as it would have
+        step.finished, step.error = True, exc
+    finally:
+        _leave_task(loop, task)
+    return task
+
+
+class _FirstStep:
+    __slots__ = ("coro", "error", "finished", "result", "yielded")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self.coro = coro
+        self.yielded: Any = None  # what the coroutine suspended on: the task awaits it
+        self.finished = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+@types.coroutine
+def _rest(step: _FirstStep) -> Generator[Any, Any, Any]:
+    """The coroutine from where its first step left it. Primed (started up to its first
+    ``yield``) before the task exists: a generator that never started cannot catch what
+    is thrown into it, so a cancel before the task's first step would miss the coroutine."""
+    coro = step.coro
+    try:
+        yield None  # the priming stop; the task's first step resumes here
+    except GeneratorExit:  # never run (its loop closed first)
+        coro.close()
+        raise
+    except BaseException as exc:  # cancelled before its first scheduled step
+        if step.finished:
+            raise
+        try:
+            value = coro.throw(exc)
+        except StopIteration as stop:
+            return stop.value
+    else:
+        if step.finished:
+            if step.error is not None:
+                raise step.error
+            return step.result
+        value = step.yielded
+    while True:
+        try:
+            sent = yield value
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as exc:
+            try:
+                value = coro.throw(exc)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                value = coro.send(sent)
+            except StopIteration as stop:
+                return stop.value
