@@ -76,3 +76,26 @@ def test_interleaved_comparison_of_two_checkouts_reports_its_ratio() -> None:
         assert summary.startswith(f"{name}: old mean"), result.stdout
         ratio = float(summary.split("new/old median ")[1].split()[0])
         assert 0 < ratio < 10
+
+
+def test_interleaved_paced_comparison_reports_ttft_and_itl_tails() -> None:
+    """The paced comparison prints, per figure, both sides' means and the median
+    difference: TTFT p50 and p99, ITL p99, and the gateways' own receipt-to-write p50."""
+    command = ["gateway.perf.interleave", "--old", str(ROOT), "--no-pin", "--pairs", "1"]
+    result = subprocess.run(
+        [sys.executable, "-m", *command, "--scenario", "paced"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    summaries = result.stdout.strip().splitlines()[-4:]
+    names = ["ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "receipt_to_write_p50_ms"]
+    for summary, name in zip(summaries, names, strict=True):
+        assert summary.startswith(f"{name}: old mean"), result.stdout
+        old_mean = float(summary.split("old mean ")[1].split(",")[0])
+        assert old_mean > 0
+        float(summary.split("new - old median ")[1].split()[0])  # a number, signed
+    itl_p99 = float(summaries[2].split("old mean ")[1].split(",")[0])
+    assert 15 <= itl_p99 < 100  # the backend's 15 ms pace, and then some

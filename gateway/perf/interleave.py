@@ -11,7 +11,9 @@ slices see nearly the same machine: the figure to read is the median over slice 
 
 - ``nonstream``: 32 closed-loop clients, ``max_tokens: 1``; requests/s per slice.
 - ``paced``: 64 clients, TTFT 50 ms, ITL 15 ms, 128 tokens; per slice the client-side
-  TTFT p50 and each gateway's own receipt-to-upstream-write p50 (``/admin/requests``).
+  TTFT p50 and p99 (a slice holds ~380 requests: its p99 is about its 4th worst), ITL p99
+  (~50,000 gaps), and each gateway's own receipt-to-upstream-write p50
+  (``/admin/requests``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -131,8 +134,15 @@ async def _slice(proc: Proc, scenario: str, body: bytes, seconds: float) -> dict
     upstream = [r["upstream_s"] for r in records if r.get("upstream_s") is not None]
     return {
         "ttft_p50_ms": statistics.median(window.ttft) * 1000,
+        "ttft_p99_ms": _p99(window.ttft) * 1000,
+        "itl_p99_ms": _p99(window.itl) * 1000,
         "receipt_to_write_p50_ms": statistics.median(upstream) * 1000,
     }
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 async def _run(old: Proc, new: Proc, scenario: str, pairs: int) -> list[dict[str, float]]:
@@ -154,7 +164,7 @@ def _summary(rows: list[dict[str, float]], scenario: str) -> str:
     keys = (
         ["req_s", "cpu_us_per_req"]
         if scenario == "nonstream"
-        else ["ttft_p50_ms", "receipt_to_write_p50_ms"]
+        else ["ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "receipt_to_write_p50_ms"]
     )
     lines = []
     for key in keys:
