@@ -53,6 +53,24 @@ class OriginRules:
             added.append((b"access-control-allow-origin", origin.encode("latin-1")))
         return added
 
+    def for_refusal(self, origin: str) -> RawHeaders:
+        """For an answer the HTTP protocol writes itself (``gateway/protocol.py``): the
+        headers only for an allowed origin. A refused one gets none, where the app's answers
+        get ``Vary`` and the exposed headers: the browser hides the answer either way, and
+        these carry no freshness, so no cache keeps them for another origin."""
+        if self.any_origin or origin in self.origins:
+            return self.headers(origin)
+        return []
+
+
+def request_origin(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The first ``Origin`` among a request's raw headers (names in lower case, as uvicorn
+    keeps them), as ``front.header_map`` takes it."""
+    for name, value in headers:
+        if name == b"origin":
+            return value.decode("latin-1")
+    return None
+
 
 @functools.lru_cache(maxsize=8)
 def origin_rules(config: CorsConfig) -> OriginRules:

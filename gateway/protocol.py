@@ -1,7 +1,8 @@
 """uvicorn's httptools protocol, stamping when a request's first bytes were read,
 refusing request heads too large or too slow to be honest and bodies that stall,
 cutting clients that stop reading, answering an app's failure in OpenAI's shape,
-and writing a response's head with the bytes that follow it."""
+its own answers with the CORS headers the app would give, and writing a response's
+head with the bytes that follow it."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from gateway.cors import RawHeaders, origin_rules, request_origin
 from gateway.eager import start_eagerly
 from gateway.errors import InternalError
-from gateway.settings import ListenConfig
+from gateway.settings import CorsConfig, ListenConfig
 
 log = logging.getLogger("kneecap")
 
@@ -33,6 +35,7 @@ MAX_HEAD_BYTES = 64 * 1024
 _REQUEST_LINE_BYTES = len(" ") + len(" HTTP/1.1\r\n")
 _HEADER_SEPARATOR_BYTES = len(": ") + len("\r\n")
 _DEFAULT_LISTEN = ListenConfig.model_validate({})
+_DEFAULT_CORS = CorsConfig()
 
 
 def _refusal(status: bytes, message: str, code: str) -> bytes:
@@ -69,6 +72,34 @@ _BODY_TIMEOUT = _refusal(
     "request body not received in time",
     "request_timeout",
 )
+
+
+def _cors_for(request_headers: list[tuple[bytes, bytes]] | None, state: Any) -> RawHeaders:
+    """The CORS headers the app would give the request, read from the live ``cors:``
+    block, when it named an ``Origin`` that block allows; else none. Looked at only when
+    the protocol answers itself: a request it does not refuse costs nothing.
+
+    Only the headers the parser handed over are known, and httptools hands one over once
+    the next begins (or the head ends). A head refused before its ``Origin`` came gets
+    none (a 400 for its request line, a 408 for a head stalled before that line, a 431
+    for one whose bytes ran past the limit first): guessing an origin would grant what
+    the rules may refuse."""
+    origin = request_origin(request_headers or ())  # None before a connection's first head
+    if origin is None:
+        return []
+    runtime = state.get("runtime")  # the lifespan's state, once it started
+    config = runtime.current.settings.cors if runtime is not None else _DEFAULT_CORS
+    return origin_rules(config).for_refusal(origin)
+
+
+def _cors_added(answer: bytes, cors: RawHeaders) -> bytes:
+    """One of the answers above with the CORS headers after its status line."""
+    if not cors:
+        return answer
+    status, _, rest = answer.partition(b"\r\n")
+    return b"%s\r\n%s%s" % (status, b"".join(b"%s: %s\r\n" % header for header in cors), rest)
+
+
 # As the proxied endpoints answer what they did not expect (gateway/front.py).
 _INTERNAL_ERROR_BODY = InternalError().body()
 _INTERNAL_ERROR_HEADERS = [
@@ -83,9 +114,8 @@ class _Cycle(RequestResponseCycle):
     is an OpenAI error rather than a line of plain text no SDK can parse."""
 
     async def send_500_response(self) -> None:
-        await self.send(
-            {"type": "http.response.start", "status": 500, "headers": _INTERNAL_ERROR_HEADERS}
-        )
+        headers = _INTERNAL_ERROR_HEADERS + _cors_for(self.scope["headers"], self.scope["state"])
+        await self.send({"type": "http.response.start", "status": 500, "headers": headers})
         await self.send({"type": "http.response.body", "body": _INTERNAL_ERROR_BODY})
 
 
@@ -306,7 +336,7 @@ class GatewayProtocol(HttpToolsProtocol):
         if self._head_bytes > MAX_HEAD_BYTES:
             self._heading = False
             self.flush_held_head()
-            self.transport.write(_TOO_LARGE)
+            self.transport.write(_cors_added(_TOO_LARGE, _cors_for(self.headers, self.app_state)))
             self.transport.close()
         elif self._head_timer is None:
             timeout = self._listen().head_timeout_s
@@ -324,7 +354,7 @@ class GatewayProtocol(HttpToolsProtocol):
             return
         self._heading = False
         self.flush_held_head()
-        self.transport.write(_HEAD_TIMEOUT)
+        self.transport.write(_cors_added(_HEAD_TIMEOUT, _cors_for(self.headers, self.app_state)))
         self.transport.close()
 
     def _body_left_unfinished(self) -> None:
@@ -363,7 +393,8 @@ class GatewayProtocol(HttpToolsProtocol):
         )
         self.flush_held_head()
         if not cycle.response_started:  # else an answer is under way: only the close is left
-            self.transport.write(_BODY_TIMEOUT)
+            cors = _cors_for(cycle.scope["headers"], self.app_state)
+            self.transport.write(_cors_added(_BODY_TIMEOUT, cors))
         # The app's wait for the body ends as for any client gone: connection_lost tells it.
         self.transport.close()
 
@@ -389,9 +420,11 @@ class GatewayProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         self.flush_held_head()
         if self._head_too_large:
-            self.transport.write(_TOO_LARGE)
+            answer = _TOO_LARGE
         else:
-            self.transport.write(_refusal(b"400 Bad Request", msg, "invalid_http_request"))
+            answer = _refusal(b"400 Bad Request", msg, "invalid_http_request")
+        # A parse error comes after its request's on_message_begin: these are its headers.
+        self.transport.write(_cors_added(answer, _cors_for(self.headers, self.app_state)))
         self.transport.close()
 
     def pause_writing(self) -> None:
