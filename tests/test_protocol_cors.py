@@ -161,7 +161,7 @@ async def test_the_protocol_s_own_answers_carry_the_cors_headers_of_an_allowed_o
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    yield from served(start_sim(tmp_path_factory.mktemp("fix82-sim"), ttft_ms=5, itl_ms=2))
+    yield from served(start_sim(tmp_path_factory.mktemp("cors-sim"), ttft_ms=5, itl_ms=2))
 
 
 def _exchange(url: str, data: bytes) -> bytes:
