@@ -11,13 +11,15 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from backends.sim.base import MAX_SPEED, MIN_SPEED
+from backends.sim.base import MAX_DELAY_MS, MAX_SPEED, MIN_SPEED
+from gateway.config_file import read_config_file
 from gateway.config_warnings import config_warnings, ignored_environment
 from gateway.embedded import DEFAULT_MODEL
 from gateway.settings import (
     CONFIG_ENV,
     ConfigError,
     Settings,
+    build_settings,
     load_settings,
 )
 
@@ -88,7 +90,7 @@ def _print_banner(settings: Settings, host: str, port: int, sims: Sequence[objec
 
 
 def _port(text: str) -> int:
-    port = int(text) if text.isdigit() else -1
+    port = int(text) if text.isascii() and text.isdigit() else -1  # isdigit() alone takes "²"
     if not 0 <= port <= 65535:  # the kernel would take it modulo 65536 and listen elsewhere
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
     return port
@@ -113,6 +115,13 @@ def _non_negative(text: str) -> float:
     value = _number(text)
     if not 0 <= value < math.inf:  # a negative or NaN delay fails anyio.sleep on every token
         raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number")
+    return value
+
+
+def _delay_ms(text: str) -> float:
+    value = _non_negative(text)
+    if value > MAX_DELAY_MS:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than an hour ({MAX_DELAY_MS:.0f} ms)")
     return value
 
 
@@ -190,8 +199,13 @@ def _sim(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(args.file)
-    except ConfigError as exc:
+        data = read_config_file(args.file)
+    except ConfigError as exc:  # about the file as a whole: the message names it
+        print(exc, file=sys.stderr)
+        return 1
+    try:
+        settings = build_settings(data)
+    except ConfigError as exc:  # about its keys, which name no file
         print(f"{args.file}: invalid config:\n{exc}", file=sys.stderr)
         return 1
     _warn_of_likely_slips(settings)
@@ -244,10 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--port", type=_port, default=8100)
     sim.add_argument("--model", default=DEFAULT_MODEL)
     sim.add_argument("--profile", help="calibrated engine profile, e.g. qwen3-4b/l40s/bf16/vllm")
-    sim.add_argument(
-        "--ttft-ms", type=_non_negative, default=50.0, help="fixed TTFT when no profile"
-    )
-    sim.add_argument("--itl-ms", type=_non_negative, default=15.0, help="fixed ITL when no profile")
+    sim.add_argument("--ttft-ms", type=_delay_ms, default=50.0, help="fixed TTFT when no profile")
+    sim.add_argument("--itl-ms", type=_delay_ms, default=15.0, help="fixed ITL when no profile")
     sim.add_argument(
         "--speed",
         type=_speed,

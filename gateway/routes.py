@@ -3,6 +3,7 @@ raised, rendered once."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -170,13 +171,23 @@ async def admin_state(request: Request) -> Response:
 async def admin_requests(request: Request) -> Response:
     """The last requests' own measurements, newest last (``?limit=N``, default 50)."""
     require_admin(request)
-    limit = request.query_params.get("limit", "50")
-    if not limit.isdigit():
-        raise InvalidRequest("limit must be a non-negative integer", param="limit")
+    limit = _count(request.query_params.get("limit", "50"), "limit")
     recorder = runtime_of(request).recorder
     recorder.flush()
-    recent = list(recorder.recent)[-int(limit) :] if int(limit) else []
+    recent = list(recorder.recent)[-limit:] if limit else []
     return JSONResponse({"requests": [r.summary() for r in recent]})
+
+
+def _count(text: str, param: str) -> int:
+    """A query parameter that counts something: ASCII decimal digits only.
+
+    ``str.isdigit`` alone also takes "²" (which ``int`` refuses: a 500) and "١٢" (which it
+    reads as 12)."""
+    if not (text.isascii() and text.isdigit()):
+        raise InvalidRequest(f"{param} must be a non-negative integer", param=param)
+    digits = text.lstrip("0") or "0"
+    # Past int()'s cap (4300 digits) a count can only mean "all of them".
+    return int(digits) if len(digits) <= 18 else sys.maxsize
 
 
 async def metrics(request: Request) -> Response:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
-from backends.sim.base import MAX_SPEED, MIN_SPEED
+from backends.sim.base import MAX_DELAY_MS, MAX_SPEED, MIN_SPEED
 from gateway.config_file import ConfigError, format_validation_error, read_config_file
 from policies.base import refuse_yes_or_no_for_numbers
 from policies.knee import KneeLimitConfig
@@ -61,8 +61,8 @@ class SimConfig(Frozen):
     """An in-process simulated backend that ``kneecap serve`` starts itself."""
 
     profile: str | None = None  # a calibrated engine profile; None → fixed latencies
-    ttft_ms: float = Field(50.0, ge=0)
-    itl_ms: float = Field(15.0, ge=0)
+    ttft_ms: float = Field(50.0, ge=0, le=MAX_DELAY_MS)
+    itl_ms: float = Field(15.0, ge=0, le=MAX_DELAY_MS)
     speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
     seed: int = 0
 

@@ -25,11 +25,15 @@ def gw(tmp_path: Path) -> Iterator[Gateway]:
         sim.stop()
 
 
+# prometheus_client (0.26) compares the version an OpenMetrics Accept names as a string
+# with a tuple of ints: a TypeError the /metrics route does not expect. If that gets
+# caught (or the library fixed), find another real failure.
+BAD_ACCEPT = "application/openmetrics-text; version=abc"
+
+
 def test_an_unexpected_failure_is_an_openai_500(gw: Gateway) -> None:
-    # "²" passes the handler's isdigit() check and then fails int(): a failure the route
-    # does not expect (it should be a 400; if that gets fixed, find another).
-    url = gw.url + "/admin/requests"
-    answer = httpx.get(url, params={"limit": "²"}, headers={"origin": APP}, timeout=5)
+    url = gw.url + "/metrics"
+    answer = httpx.get(url, headers={"accept": BAD_ACCEPT, "origin": APP}, timeout=5)
     assert answer.status_code == 500
     assert answer.headers["content-type"] == "application/json"
     assert answer.json() == {
@@ -41,9 +45,9 @@ def test_an_unexpected_failure_is_an_openai_500(gw: Gateway) -> None:
         }
     }
     assert answer.headers["access-control-allow-origin"] == "*"
-    given = httpx.get(url, params={"limit": "²"}, headers={"x-request-id": "r-1"}, timeout=5)
+    given = httpx.get(url, headers={"accept": BAD_ACCEPT, "x-request-id": "r-1"}, timeout=5)
     assert given.status_code == 500
     assert given.headers["x-request-id"] == "r-1"
     # The traceback is logged; the gateway goes on serving.
-    assert httpx.get(url, params={"limit": "1"}, timeout=5).status_code == 200
-    assert "ValueError" in gw.proc.output()
+    assert httpx.get(url, timeout=5).status_code == 200
+    assert "TypeError" in gw.proc.output()

@@ -25,6 +25,9 @@ EngineFlavor = Literal["vllm", "sglang"]
 # gateway and the HTTP face spend on a request is 0.1 s of engine time or more.
 MIN_SPEED = 0.001
 MAX_SPEED = 1000.0
+# A fixed TTFT or ITL: no engine takes an hour per token; 1e308 ms slept forever, or
+# overflowed the clock.
+MAX_DELAY_MS = 3_600_000.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from gateway.bench.client import TargetError
 from gateway.bench.command import HAS_UVLOOP
 from gateway.bench.loadgen import HttpTarget
 from gateway.bench.phase import LoadPoint
-from gateway.bench.progress import ProgressDisplay
+from gateway.bench.progress import ProgressDisplay, prompts_of
 from gateway.bench.prompts import ENDPOINTS
 from gateway.bench.simtarget import SimTarget
 from gateway.bench.slo import parse_slo
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     where = f"sim on core {args.sim_core}, load on core {args.load_core}" if pin else "not pinned"
     fifo = ", both SCHED_FIFO" if args.realtime else ""
     print(
-        f"clock check: {args.profile}, {workloads[0].label}-token prompts, "
+        f"clock check: {args.profile}, {prompts_of(workloads[0].label)}, "
         f"{args.output_tokens} output tokens, concurrency {args.concurrency}\n"
         f"HTTP at --speed {args.speed:g}: about {estimate:.0f} s (stopped after {limit:.0f} s); "
         f"{where}{fifo}; load average {_loadavg()}",

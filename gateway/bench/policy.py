@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from gateway.bench.progress import prompts_of
 from gateway.bench.stats import MAX_ERROR_FRACTION, PointSummary
 from gateway.bench.sweep import SweepResult
 
@@ -90,7 +91,7 @@ def policy_yaml(result: SweepResult, target: str) -> str:
         k = s.knee
         why = k.slo.reason if k.basis == "slo" and k.slo else k.marginal.reason
         knee = "none" if k.load is None else f"{k.load:g}"
-        lines.append(f"# {s.workload}-token prompts: knee {knee} ({k.basis}): {why}")
+        lines.append(f"# {prompts_of(s.workload)}: knee {knee} ({k.basis}): {why}")
     if result.plan.slo is not None:
         unenforced = [t.name for t in result.plan.slo.terms if t.name not in CONTROLLER_SLO_KEYS]
         if unenforced:

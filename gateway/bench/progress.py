@@ -8,12 +8,24 @@ line per finished point is written; with no stream (``--quiet``) nothing.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import TextIO
 
 from gateway.bench.phase import LoadPoint, Phase
 from gateway.bench.stats import PointSummary
+
+# A synthetic workload's label is its --prompt-tokens mix ("1024", "1024:0.8,8192:0.2"); a
+# replayed one's is its file's name ("req.jsonl"), which is no number of tokens.
+_MIX_LABEL = re.compile(r"\d+(:[^,]+)?(,\d+:[^,]+)*")
+
+
+def prompts_of(workload: str) -> str:
+    """A series' prompts in words: "1024-token prompts", "prompts from req.jsonl"."""
+    if _MIX_LABEL.fullmatch(workload):
+        return f"{workload}-token prompts"
+    return f"prompts from {workload}"
 
 
 class ProgressDisplay:
@@ -34,7 +46,7 @@ class ProgressDisplay:
         self._width = 0
 
     def begin(self, number: int, total: int, target: str, workload: str, point: LoadPoint) -> None:
-        self._head = f"[{number}/{total}] {target} · {workload}-token prompts · {point.label}"
+        self._head = f"[{number}/{total}] {target} · {prompts_of(workload)} · {point.label}"
         self._last = float("-inf")
         self._write(f"{self._head} · starting")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.bench.knee import Finding
+from gateway.bench.progress import prompts_of
 from gateway.bench.stats import Latency, PointSummary
 from gateway.bench.sweep import Series, SweepResult
 
@@ -70,7 +71,7 @@ def series_table(s: Series) -> str:
     header[0] = "conc" if s.kind == "concurrency" else "rate"
     widths = [w for _, w in COLUMNS]
     lines = [
-        f"{s.target} · {s.workload}-token prompts · load = {unit} · times in ms (E2E in s)",
+        f"{s.target} · {prompts_of(s.workload)} · load = {unit} · times in ms (E2E in s)",
         "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)),
     ]
     for p in s.points:
