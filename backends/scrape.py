@@ -96,10 +96,18 @@ def parse_kv_capacity(text: str) -> int | None:
             largest = max(largest, int(value))
             continue
         found = dict(_LABEL.findall(labels))
-        blocks, size = found.get("num_gpu_blocks", ""), found.get("block_size", "")
-        if blocks.isdigit() and size.isdigit():
-            largest = max(largest, int(blocks) * int(size))
+        blocks, size = _count(found.get("num_gpu_blocks", "")), _count(found.get("block_size", ""))
+        if blocks is not None and size is not None:
+            largest = max(largest, blocks * size)
     return largest or None
+
+
+def _count(label: str) -> int | None:
+    """A label's count, from ASCII digits only: ``isdigit`` alone takes "²", which ``int``
+    refuses, and ``int`` refuses 5,000 digits; neither may stop a scrape."""
+    if label.isascii() and label.isdigit() and len(label) <= 18:
+        return int(label)
+    return None
 
 
 async def scrape_one(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:

@@ -115,7 +115,9 @@ def blames_the_request(event: bytes) -> bool:
     if not isinstance(error, dict):
         return False
     code = error.get("code")
-    if isinstance(code, str) and code.isdigit():
+    # ASCII and short: isdigit() alone takes "²" (int() refuses it) and fullwidth digits
+    # (read as 12), and int() refuses 5,000 digits; such a code is judged by its type.
+    if isinstance(code, str) and code.isascii() and code.isdigit() and len(code) <= 9:
         code = int(code)
     if isinstance(code, int) and not isinstance(code, bool):
         return 400 <= code < 500

@@ -273,3 +273,22 @@ def test_one_sequence_takes_the_fast_path_after_its_second_event() -> None:
     meter = fed([(0.1 * k, delta(0, content="x")) for k in (1, 2, 3, 4)])
     assert meter.plain and not meter.several_sequences and meter.last_by_sequence is None
     assert meter.gaps == pytest.approx([0.1] * 3)
+
+
+# --- an error event's code in digits no integer reads ------------------------------
+
+
+@pytest.mark.parametrize(
+    "code", ["\u00b2", "\uff11\uff12", "9" * 5000], ids=["superscript", "fullwidth", "5000-digits"]
+)
+def test_an_error_code_of_odd_digits_is_relayed_and_judged_by_its_type(
+    gw: Gateway, code: str
+) -> None:
+    """``str.isdigit`` takes "²" and fullwidth digits, which ``int`` refuses or reads as
+    12, and ``int`` refuses 5,000 digits: the meter read such a code as a status and broke
+    the stream. It is judged by its type, as a code that is no number is."""
+    body = {"error": {"message": "no", "type": "BadRequestError", "param": None, "code": code}}
+    error = b"data: " + json.dumps(body).encode() + b"\n\n"  # as vLLM sends one
+    steps = script(delta(role="assistant", content=""), delta(content="a"), error, DONE)
+    record = streamed(gw, steps)
+    assert record["status"] == "client_error"  # BadRequestError: the request's fault

@@ -310,6 +310,12 @@ def test_kv_capacity_is_read_from_the_engines_metrics() -> None:
     assert parse_kv_capacity("# TYPE vllm:num_requests_running gauge\n") is None
 
 
+@pytest.mark.parametrize("blocks", ["\u00b2", "\uff11\uff12", "9" * 5000, "None"])
+def test_a_block_count_no_integer_reads_is_no_capacity(blocks: str) -> None:
+    metrics = VLLM_METRICS.replace('num_gpu_blocks="16384"', f'num_gpu_blocks="{blocks}"')
+    assert parse_kv_capacity(metrics) is None
+
+
 def replica(**config: object) -> Replica:
     return Replica(BackendConfig(name="r", url="http://127.0.0.1:1", **config), "http://x")  # type: ignore[arg-type]
 
