@@ -89,12 +89,13 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             raise
         flight.admitted = time.perf_counter()
         flight.waited += lease.queue_wait
-        if last_replica is not None:  # counted once it goes out, not when it finds no room
-            runtime.recorder.retried(last_replica)
+        # A retry is counted once it goes out: not when it finds no room in the queue, nor
+        # no connection to make (the gateway's shortage, below).
+        retried_from = last_replica
         replica = last_replica = lease.backend.backend
         tried.add(replica.name)
         last_attempt = attempt == max_attempts - 1 or left == 1
-        flight.sent = 0.0
+        written, flight.sent = flight.sent, 0.0  # kept, should this attempt never go out
         try:
             upstream = await _send(
                 runtime,
@@ -107,8 +108,10 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             # The gateway's own shortage (descriptors, memory, or every connection of
             # upstream.max_connections in use): not counted against the replica, nor
             # retried (every other would need the same).
+            retried_from = None
             release_lease(runtime, flight, lease, Outcome.IGNORE)
             if failed_on is not None and last_error is not None:  # an earlier attempt did
+                flight.sent = written  # its record is that attempt's, upstream_s included
                 runtime.recorder.finished(flight, failed_on, status_of(last_error))
             else:
                 runtime.recorder.rejected(pool, "gateway_overloaded")
@@ -132,6 +135,9 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
         except BaseException:
             release_lease(runtime, flight, lease, Outcome.IGNORE)
             raise
+        finally:
+            if retried_from is not None:
+                runtime.recorder.retried(retried_from)
         if upstream.status_code >= 500 and not last_attempt:
             release_lease(runtime, flight, lease, Outcome.DROPPED)
             with anyio.CancelScope(shield=True):
