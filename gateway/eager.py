@@ -10,7 +10,8 @@ Python 3.12 has this as ``Task(..., eager_start=True)``. For 3.11: the task is c
 around a primed continuation, then the coroutine's first step runs at once, as that task
 (``asyncio.current_task()`` is it; ``_enter_task`` is what 3.12's eager start calls) and
 in the task's context. The task's first scheduled step takes over wherever the
-coroutine suspended; a cancel that comes before it reaches the coroutine there.
+coroutine suspended; a cancel that comes before it cancels what the coroutine awaits,
+as ``Task.cancel()`` does.
 """
 
 from __future__ import annotations
@@ -79,10 +80,21 @@ def _rest(step: _FirstStep) -> Generator[Any, Any, Any]:
     except BaseException as exc:  # cancelled before its first scheduled step
         if step.finished:
             raise
-        try:
-            value = coro.throw(exc)
-        except StopIteration as stop:
-            return stop.value
+        waited = _took(step.yielded)
+        if (
+            isinstance(exc, asyncio.CancelledError)
+            and waited is not None
+            and waited.cancel(*exc.args)
+        ):
+            # What Task.cancel() does to the future its task waits on: cancel that, and the
+            # coroutine hears of it from its await (a helper task awaited is cancelled too).
+            waited._asyncio_future_blocking = True
+            value = waited
+        else:
+            try:
+                value = coro.throw(exc)
+            except StopIteration as stop:
+                return stop.value
     else:
         if step.finished:
             if step.error is not None:
@@ -103,3 +115,13 @@ def _rest(step: _FirstStep) -> Generator[Any, Any, Any]:
         else:
             break
     return (yield from coro)
+
+
+def _took(yielded: Any) -> asyncio.Future[Any] | None:
+    """The future the first step suspended on, taken as the task's step takes one: its
+    "being awaited" mark cleared, else any later ``await`` of it raises RuntimeError. (On
+    uvloop a timer armed in the first step can fire before the task's first step does.)"""
+    if not getattr(yielded, "_asyncio_future_blocking", False):
+        return None
+    yielded._asyncio_future_blocking = False
+    return yielded  # type: ignore[no-any-return]

@@ -116,6 +116,7 @@ async def test_a_cancel_before_the_tasks_first_step_reaches_the_coroutine() -> N
         await task
     assert cleaned == ["released"]
     assert task.cancelled()
+    assert never.cancelled()  # as Task.cancel() cancels what its task waits on
 
 
 @pytest.mark.anyio
