@@ -89,8 +89,8 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             raise
         flight.admitted = time.perf_counter()
         flight.waited += lease.queue_wait
-        # A retry is counted once it goes out: not when it finds no room in the queue, nor
-        # no connection to make (the gateway's shortage, below).
+        # A retry is counted once it is tried on a backend: not when it finds no room in the
+        # queue, nor no connection to make (the gateway's shortage, below).
         retried_from = last_replica
         replica = last_replica = lease.backend.backend
         tried.add(replica.name)
@@ -126,7 +126,10 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             continue
         except asyncio.CancelledError:  # the client left before the answer's head
             try:
-                reached = replica if flight.sent else reached
+                if not flight.sent:  # not written: the record is an earlier attempt's, if any
+                    flight.sent = written
+                else:
+                    reached = replica
                 if reached is not None:  # a backend had it: it counts, though never answered
                     runtime.recorder.finished(flight, reached, "client_closed")
             finally:
