@@ -7,7 +7,6 @@ head with the bytes that follow it."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
@@ -15,10 +14,19 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from gateway.cors import RawHeaders, origin_rules, request_origin
 from gateway.eager import start_eagerly
-from gateway.errors import InternalError
-from gateway.settings import CorsConfig, ListenConfig
+from gateway.refusals import (
+    BODY_TIMEOUT,
+    HEAD_TIMEOUT,
+    INTERNAL_ERROR_BODY,
+    INTERNAL_ERROR_HEADERS,
+    MAX_HEAD_BYTES,
+    TOO_LARGE,
+    cors_added,
+    cors_for,
+    refusal,
+)
+from gateway.settings import ListenConfig
 
 log = logging.getLogger("kneecap")
 
@@ -27,86 +35,10 @@ ARRIVED_SCOPE_KEY = "kneecap.arrived"
 # nothing cannot end otherwise, as its close waits for the unread bytes to leave (the
 # relay, at the drain's end).
 CUT_CONNECTION_SCOPE_KEY = "kneecap.cut_connection"
-# httptools buffers a head of any size; a client must not make the gateway hold megabytes
-# of headers per connection. 64 KiB is above what real clients send (Envoy's default limit
-# is 60 KiB, nginx's 32 KiB).
-MAX_HEAD_BYTES = 64 * 1024
 # Of a request line past its method and target: " HTTP/1.1\r\n" and the space between.
 _REQUEST_LINE_BYTES = len(" ") + len(" HTTP/1.1\r\n")
 _HEADER_SEPARATOR_BYTES = len(": ") + len("\r\n")
 _DEFAULT_LISTEN = ListenConfig.model_validate({})
-_DEFAULT_CORS = CorsConfig()
-
-
-def _refusal(status: bytes, message: str, code: str) -> bytes:
-    """A whole answer the protocol writes itself, OpenAI-shaped like the app's, before closing."""
-    body = json.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": None,
-                "code": code,
-            }
-        }
-    ).encode()
-    return (
-        b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-        b"connection: close\r\n\r\n%s" % (status, len(body), body)
-    )
-
-
-_TOO_LARGE = _refusal(
-    b"431 Request Header Fields Too Large",
-    f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
-    "request_header_fields_too_large",
-)
-_HEAD_TIMEOUT = _refusal(
-    b"408 Request Timeout",
-    "request line and headers not received in time",
-    "request_timeout",
-)
-
-_BODY_TIMEOUT = _refusal(
-    b"408 Request Timeout",
-    "request body not received in time",
-    "request_timeout",
-)
-
-
-def _cors_for(request_headers: list[tuple[bytes, bytes]] | None, state: Any) -> RawHeaders:
-    """The CORS headers the app would give the request, read from the live ``cors:``
-    block, when it named an ``Origin`` that block allows; else none. Looked at only when
-    the protocol answers itself: a request it does not refuse costs nothing.
-
-    Only the headers the parser handed over are known, and httptools hands one over once
-    the next begins (or the head ends). A head refused before its ``Origin`` came gets
-    none (a 400 for its request line, a 408 for a head stalled before that line, a 431
-    for one whose bytes ran past the limit first): guessing an origin would grant what
-    the rules may refuse."""
-    origin = request_origin(request_headers or ())  # None before a connection's first head
-    if origin is None:
-        return []
-    runtime = state.get("runtime")  # the lifespan's state, once it started
-    config = runtime.current.settings.cors if runtime is not None else _DEFAULT_CORS
-    return origin_rules(config).for_refusal(origin)
-
-
-def _cors_added(answer: bytes, cors: RawHeaders) -> bytes:
-    """One of the answers above with the CORS headers after its status line."""
-    if not cors:
-        return answer
-    status, _, rest = answer.partition(b"\r\n")
-    return b"%s\r\n%s%s" % (status, b"".join(b"%s: %s\r\n" % header for header in cors), rest)
-
-
-# As the proxied endpoints answer what they did not expect (gateway/front.py).
-_INTERNAL_ERROR_BODY = InternalError().body()
-_INTERNAL_ERROR_HEADERS = [
-    (b"content-type", b"application/json"),
-    (b"content-length", b"%d" % len(_INTERNAL_ERROR_BODY)),
-    (b"connection", b"close"),  # as uvicorn's own 500: what failed may have left the stream bad
-]
 
 
 class _Cycle(RequestResponseCycle):
@@ -114,9 +46,9 @@ class _Cycle(RequestResponseCycle):
     is an OpenAI error rather than a line of plain text no SDK can parse."""
 
     async def send_500_response(self) -> None:
-        headers = _INTERNAL_ERROR_HEADERS + _cors_for(self.scope["headers"], self.scope["state"])
+        headers = INTERNAL_ERROR_HEADERS + cors_for(self.scope["headers"], self.scope["state"])
         await self.send({"type": "http.response.start", "status": 500, "headers": headers})
-        await self.send({"type": "http.response.body", "body": _INTERNAL_ERROR_BODY})
+        await self.send({"type": "http.response.body", "body": INTERNAL_ERROR_BODY})
 
 
 class _HeadTooLarge(Exception):
@@ -338,7 +270,7 @@ class GatewayProtocol(HttpToolsProtocol):
         if self._head_bytes > MAX_HEAD_BYTES:
             self._heading = False
             self.flush_held_head()
-            self.transport.write(_cors_added(_TOO_LARGE, _cors_for(self.headers, self.app_state)))
+            self.transport.write(cors_added(TOO_LARGE, cors_for(self.headers, self.app_state)))
             self.transport.close()
         elif self._head_timer is None:
             timeout = self._listen().head_timeout_s
@@ -356,7 +288,7 @@ class GatewayProtocol(HttpToolsProtocol):
             return
         self._heading = False
         self.flush_held_head()
-        self.transport.write(_cors_added(_HEAD_TIMEOUT, _cors_for(self.headers, self.app_state)))
+        self.transport.write(cors_added(HEAD_TIMEOUT, cors_for(self.headers, self.app_state)))
         self.transport.close()
 
     def _body_left_unfinished(self) -> None:
@@ -395,8 +327,8 @@ class GatewayProtocol(HttpToolsProtocol):
         )
         self.flush_held_head()
         if not cycle.response_started:  # else an answer is under way: only the close is left
-            cors = _cors_for(cycle.scope["headers"], self.app_state)
-            self.transport.write(_cors_added(_BODY_TIMEOUT, cors))
+            cors = cors_for(cycle.scope["headers"], self.app_state)
+            self.transport.write(cors_added(BODY_TIMEOUT, cors))
         # The app's wait for the body ends as for any client gone: connection_lost tells it.
         self.transport.close()
 
@@ -422,11 +354,11 @@ class GatewayProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         self.flush_held_head()
         if self._head_too_large:
-            answer = _TOO_LARGE
+            answer = TOO_LARGE
         else:
-            answer = _refusal(b"400 Bad Request", msg, "invalid_http_request")
+            answer = refusal(b"400 Bad Request", msg, "invalid_http_request")
         # A parse error comes after its request's on_message_begin: these are its headers.
-        self.transport.write(_cors_added(answer, _cors_for(self.headers, self.app_state)))
+        self.transport.write(cors_added(answer, cors_for(self.headers, self.app_state)))
         self.transport.close()
 
     def pause_writing(self) -> None:
