@@ -216,7 +216,8 @@ class GatewayProtocol(HttpToolsProtocol):
             return
         finally:
             self._feeding = False
-        self._start_deferred(eagerly=True)
+        if self._deferred is not None:  # a request's head ended in this read
+            self._start_deferred(eagerly=True)
         if self._heading:  # rare: a head split across reads
             self._head_left_unfinished()
         elif self.cycle is not None and self.cycle.more_body:  # rare: a body split across reads

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ import yaml
 from gateway.perf.backend import MODEL
 from gateway.perf.loadgen import Window, build_request, run_client
 from gateway.perf.procs import Proc, free_port, pinned, start
+from gateway.perf.relay_bench import percentile
 
 HOST = "127.0.0.1"
 HERE = Path(__file__).resolve().parents[2]
@@ -141,8 +141,10 @@ async def _slice(proc: Proc, scenario: str, body: bytes, seconds: float) -> dict
 
 
 def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+    value = percentile(values, 99)  # nearest rank, as relay_bench reads its own runs
+    if value is None:
+        raise RuntimeError("a paced slice completed no request")
+    return value
 
 
 async def _run(old: Proc, new: Proc, scenario: str, pairs: int) -> list[dict[str, float]]:
