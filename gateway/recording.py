@@ -34,6 +34,11 @@ log = logging.getLogger("kneecap")
 # stays small (at 5,000 requests/s: ~10 records, well under a millisecond).
 SETTLE_S = 0.002
 
+# Ends that say nothing of how long the first token would have taken: the answer came
+# (a stream ending "ok" without output answered nothing, in time), or the backend refused
+# the request itself.
+_UNCENSORED = frozenset(("ok", "client_error"))
+
 
 @dataclass(slots=True)
 class Flight:
@@ -157,6 +162,11 @@ class Recorder:
         window = replica.window
         if meter is not None:
             meter.flush(end, final=True)  # the window's ITL becomes this record's
+        if ttft is None and flight.stream and flight.sent and status not in _UNCENSORED:
+            # A stream that reached the backend and ended (gave up on, cut, failed) before
+            # any output: its TTFT, counted from admission as the meter's, is longer than
+            # this. Without it the window's TTFT would be the survivors' (see gateway.window).
+            window.add_censored_ttft(end, end - flight.admitted)
         if status == "ok":
             window.add_completed(end)
             # Usage is exact; the live feed counted output events (times the backend's

@@ -10,6 +10,13 @@ TTFTs (one per request) are kept with their (monotonic, ``perf_counter``) time
 and dropped once older than the span; ITL gaps (one per token) are counted in
 log buckets per one-second slice. Percentiles are computed on read, about once
 a second, never per chunk, and never sort per-token values.
+
+A stream that ends before its first output (the client gave up waiting, the read
+timed out, the backend failed) has no TTFT, only a bound: more than its time since
+admission. Dropping it left only the survivors, and the p95 looked best exactly when
+a backend past its knee made clients give up. Such right-censored TTFTs are kept
+too; while the window holds any, its percentiles are Kaplan-Meier estimates (see
+:func:`censored_percentiles`), and the plain nearest-rank ones otherwise.
 """
 
 from __future__ import annotations
@@ -28,10 +35,53 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
     return sorted_values[rank - 1]
 
 
+# Float slack when comparing the estimator's product with q / 100: a product of
+# (1 - 1/n) factors that is exactly 0.95 must not read as 0.9499999.
+_KM_SLACK = 1e-9
+
+
+def censored_percentiles(
+    observed: Sequence[float], censored: Sequence[float], qs: Sequence[float]
+) -> list[float | None]:
+    """Kaplan-Meier percentiles (q in 0..100) of sorted observed and sorted
+    right-censored values (each only known to be larger than its value).
+
+    Walked in ascending order, an observed value before a censored one it ties with:
+    an observed value multiplies the survival S by ``1 - 1/at_risk``, a censored one
+    only leaves the risk set. The q-percentile is the smallest observed value at which
+    ``1 - S >= q/100``. Where S never falls that far (censoring at the top), it is the
+    largest censored value: a lower bound, which is what a controller must read.
+    With no censored values this is the nearest-rank percentile.
+    """
+    if not observed and not censored:
+        return [None] * len(qs)
+    targets = [q / 100 - _KM_SLACK for q in qs]
+    results: list[float | None] = [None] * len(qs)
+    left = len(qs)
+    at_risk = len(observed) + len(censored)
+    survival = 1.0
+    c = 0
+    for value in observed:
+        while c < len(censored) and censored[c] < value:
+            c += 1
+            at_risk -= 1
+        survival *= 1 - 1 / at_risk
+        at_risk -= 1
+        for i, target in enumerate(targets):
+            if results[i] is None and 1 - survival >= target:
+                results[i] = value
+                left -= 1
+        if not left:
+            return results
+    top = censored[-1] if censored else observed[-1]
+    return [top if result is None else result for result in results]
+
+
 @dataclass(frozen=True, slots=True)
 class WindowStats:
     completed: int
-    ttft_samples: int
+    ttft_samples: int  # censored ones included: what the TTFT percentiles stand on
+    ttft_censored: int  # of those, streams that ended before any output (lower bounds)
     itl_samples: int
     ttft_p50: float | None
     ttft_p95: float | None
@@ -118,6 +168,7 @@ class RollingWindow:
         self.span_s = span_s
         self._created = created
         self._ttft: deque[tuple[float, float]] = deque()
+        self._ttft_censored: deque[tuple[float, float]] = deque()  # (time, lower bound)
         self._itl: deque[tuple[float, ItlBuckets]] = deque()  # (slice start, counts)
         # Output tokens per output event of this backend's streams, learned as they end
         # (vLLM's --stream-interval, speculative decoding: several): how the meters
@@ -129,6 +180,11 @@ class RollingWindow:
     def add_ttft(self, now: float, ttft: float) -> None:
         self._mark(now)
         self._ttft.append((now, ttft))
+
+    def add_censored_ttft(self, now: float, waited: float) -> None:
+        """A stream that ended, ``waited`` seconds after admission, before any output."""
+        self._mark(now)
+        self._ttft_censored.append((now, waited))
 
     def add_itl(self, now: float, gaps: Iterable[float]) -> ItlBuckets:
         """Count per-token gaps; returns the slice's buckets they went to."""
@@ -167,6 +223,12 @@ class RollingWindow:
     def stats(self, now: float) -> WindowStats:
         self._evict(now)
         ttft = sorted(v for _, v in self._ttft)
+        if self._ttft_censored:
+            censored = sorted(v for _, v in self._ttft_censored)
+            ttft_p50, ttft_p95, ttft_p99 = censored_percentiles(ttft, censored, (50, 95, 99))
+        else:
+            censored = []
+            ttft_p50, ttft_p95, ttft_p99 = (percentile(ttft, q) for q in (50, 95, 99))
         itl_p50, itl_p95, itl_p99 = _bucket_percentiles((b for _, b in self._itl), (50, 95, 99))
         itl_samples = sum(b.total for _, b in self._itl)
         # A window younger than its span divides by its age, not the span.
@@ -174,11 +236,12 @@ class RollingWindow:
         elapsed = min(self.span_s, age) if age > 0 else self.span_s
         return WindowStats(
             completed=len(self._completed),
-            ttft_samples=len(ttft),
+            ttft_samples=len(ttft) + len(censored),
+            ttft_censored=len(censored),
             itl_samples=itl_samples,
-            ttft_p50=percentile(ttft, 50),
-            ttft_p95=percentile(ttft, 95),
-            ttft_p99=percentile(ttft, 99),
+            ttft_p50=ttft_p50,
+            ttft_p95=ttft_p95,
+            ttft_p99=ttft_p99,
             itl_p50=itl_p50,
             itl_p95=itl_p95,
             itl_p99=itl_p99,
@@ -191,7 +254,7 @@ class RollingWindow:
 
     def _evict(self, now: float) -> None:
         horizon = now - self.span_s
-        for samples in (self._ttft, self._tokens):
+        for samples in (self._ttft, self._ttft_censored, self._tokens):
             while samples and samples[0][0] < horizon:
                 samples.popleft()
         # A slice goes once all of it is older than the span.

@@ -204,3 +204,15 @@ def test_the_default_admission_also_holds_the_token_budget() -> None:
     assert within_token_budget(backend, huge)  # alone, anything runs
     backend.replica.in_flight = 100
     assert not within_token_budget(backend, r)  # and the request limit still holds
+
+
+def test_a_stream_cancelled_before_its_first_token_is_a_censored_ttft_as_in_the_gateway() -> None:
+    sim = SystemSim([BackendSpec("b0", PROFILE)], limit=StaticLimitConfig(initial=8))
+    requests = [sim.submit(1024, 64) for _ in range(8)]
+    sim.run(0.001)  # admitted, their prefills not done
+    waiting = [r for r in requests if r.backend is not None and r.first_token is None]
+    assert waiting
+    sim.cancel(waiting[0])
+    stats = sim.backends[0].window.stats(sim.now)
+    assert stats.ttft_censored == 1 and stats.ttft_samples == 1
+    assert stats.ttft_p95 == pytest.approx(sim.now - waiting[0].admitted)

@@ -323,6 +323,9 @@ class SystemSim:
         backend.tokens_in_flight -= request.prompt_tokens + request.max_tokens
         window = backend.window
         _flush(request, window, self.now)
+        if status != "ok" and request.first_token is None:
+            # As the gateway's recorder: a stream ended before any output is a censored TTFT.
+            window.add_censored_ttft(self.now, self.now - request.admitted)  # type: ignore[operator]
         if status == "ok":
             window.add_completed(self.now)
             self._current.completed += 1
