@@ -26,9 +26,8 @@ from gateway.settings import (
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.drain import STOP_GRACE_S, Drain
-    from gateway.protocol import GatewayProtocol
-    from gateway.serving import build_embedded_sims, run_servers, server_config
+    from gateway.drain import Drain
+    from gateway.serving import build_embedded_sims, gateway_server, run_servers
 
     try:
         settings = load_settings(args.config)
@@ -47,17 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
         sim_urls={s.name: s.url for s in sims},
         drain=drain,
     )
-    gateway = uvicorn.Server(
-        server_config(
-            app,
-            host,
-            port,
-            log_level=args.log_level,
-            http=GatewayProtocol,  # stamps each request's arrival: TTFT starts there
-            # uvicorn cancels what still runs only after the drain closed the queues.
-            timeout_graceful_shutdown=drain.timeout_s + STOP_GRACE_S,
-        )
-    )
+    gateway = gateway_server(app, host, port, drain, log_level=args.log_level)
     _print_banner(settings, host, port, sims)
     run_servers(gateway, sims, drain)
     return 0

@@ -12,6 +12,9 @@ uvicorn cancels.
 The streams are cut by cancelling the tasks relaying them, which the relay turns into
 that clean end: nothing is checked per chunk, and a stream whose client stopped
 reading is cut as promptly as one whose backend is between two tokens.
+
+What the drain's end cuts, streamed or whole, is counted ``gateway_shutdown``: counted as
+``client_closed``, a deploy would read on the dashboard as users giving up.
 """
 
 from __future__ import annotations

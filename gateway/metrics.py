@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 
 from gateway.histogram import BulkHistogram
 from gateway.record import REJECT_REASONS, RejectReason, RequestRecord
@@ -337,6 +337,11 @@ def _remove_if_present(metric: Counter | Gauge, *labelvalues: str) -> None:
 
 
 def render(registry: CollectorRegistry, accept: str | None = None) -> tuple[bytes, str]:
-    """The registry in the format the scraper asked for: (body, content type)."""
-    encoder, content_type = choose_encoder(accept or "")
+    """The registry in the format the scraper asked for: (body, content type). An Accept
+    prometheus_client cannot read gets the text format, which every scraper reads: a
+    client's header must not fail the scrape."""
+    try:
+        encoder, content_type = choose_encoder(accept or "")
+    except Exception:  # 0.26 compares a version such as "abc" with ints: a TypeError
+        encoder, content_type = generate_latest, CONTENT_TYPE_PLAIN_0_0_4
     return encoder(registry), content_type

@@ -20,7 +20,7 @@ from gateway.meter import StreamMeter
 from gateway.overload import GatewayOutOfResources, gateway_overloaded
 from gateway.placement import awaiting_probe, candidates, plan_route
 from gateway.proxy_admit import NoRoomToRetry, admit, release_lease
-from gateway.proxy_finish import StreamFinisher, buffered, status_of
+from gateway.proxy_finish import StreamFinisher, buffered, cancelled_status, status_of
 from gateway.proxy_request import (
     ProxyRequest,
     max_queue_wait,
@@ -124,14 +124,14 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             replica.record_failure(settings.health.failure_threshold)
             last_error, failed_on = exc, replica
             continue
-        except asyncio.CancelledError:  # the client left before the answer's head
+        except asyncio.CancelledError:  # the client left, or the drain ended, before the head
             try:
                 if not flight.sent:  # not written: the record is an earlier attempt's, if any
                     flight.sent = written
                 else:
                     reached = replica
                 if reached is not None:  # a backend had it: it counts, though never answered
-                    runtime.recorder.finished(flight, reached, "client_closed")
+                    runtime.recorder.finished(flight, reached, cancelled_status(runtime, pool))
             finally:
                 release_lease(runtime, flight, lease, Outcome.IGNORE)
             raise

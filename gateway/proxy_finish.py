@@ -31,6 +31,7 @@ from policies.token_budget import Claim
 OUTCOME: dict[RequestStatus, Outcome] = {
     "ok": Outcome.SUCCESS,
     "client_closed": Outcome.IGNORE,
+    "gateway_shutdown": Outcome.IGNORE,
     "client_error": Outcome.IGNORE,
     "upstream_error": Outcome.DROPPED,
     "upstream_timeout": Outcome.DROPPED,
@@ -39,6 +40,15 @@ OUTCOME: dict[RequestStatus, Outcome] = {
 
 def status_of(error: Exception) -> RequestStatus:
     return "upstream_timeout" if isinstance(error, httpx.TimeoutException) else "upstream_error"
+
+
+def cancelled_status(runtime: Runtime, pool: str) -> RequestStatus:
+    """Why a request cancelled while its whole answer was awaited ended: its client left,
+    or the gateway is shutting down, which closed the pools to new requests; uvicorn
+    cancels what still runs a grace after the drain's end. (A pool a reload removed is
+    closed only once no lease of it is held, so never under this request's own.)"""
+    admission = runtime.admissions.get(pool)
+    return "gateway_shutdown" if admission is not None and admission.closed else "client_closed"
 
 
 def _calibrate(runtime: Runtime, route: Route, usage: Usage | None) -> None:
@@ -102,7 +112,7 @@ async def buffered(
             raise UpstreamTimeout(f"upstream timed out while sending its answer: {exc}") from exc
         raise UpstreamError(f"upstream failed while sending its answer: {exc}") from exc
     except asyncio.CancelledError:
-        status = "client_closed"  # the client left; the backend did not fail
+        status = cancelled_status(runtime, flight.pool)  # the backend did not fail
         raise
     finally:
         try:

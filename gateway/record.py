@@ -16,6 +16,7 @@ from typing import Literal, get_args
 RequestStatus = Literal[
     "ok",  # the backend answered 2xx and the body reached the client
     "client_closed",  # the client went away before the end
+    "gateway_shutdown",  # cut by the shutdown drain's end: neither the client nor the backend
     "client_error",  # the backend refused the request (4xx): the request's fault
     "upstream_error",  # connection failure or 5xx from the backend
     "upstream_timeout",  # connect timeout or a stall longer than the read timeout

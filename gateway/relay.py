@@ -9,9 +9,9 @@ A client that goes away is noticed by the request's
 relay; the cancellation lands in the upstream read or the client write, and
 ``finally`` closes the upstream request and records the stream as ``client_closed``.
 The drain's end (:class:`~gateway.drain.Drain`) cancels that task too: the relay then
-gives the upstream and the permit back and ends the stream with a last error event, or
-with what was left of a body already over; a client that reads nothing has its
-connection cut.
+gives the upstream and the permit back, records the stream as ``gateway_shutdown``, and
+ends it with a last error event, or with what was left of a body already over; a client
+that reads nothing has its connection cut.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class WholeAnswer:
 class StreamEnd:
     """How a relayed stream ended; handed to the request's finisher."""
 
-    status: RequestStatus  # "ok" | "client_closed" | "upstream_error" | "upstream_timeout"
+    status: RequestStatus
     meter: StreamMeter
     error: str | None = None
 
@@ -198,7 +198,7 @@ class StreamRelay:
         event stream's client hears why, unless it had it all ([DONE]); one whose body was
         over gets the rest of it; one that reads nothing, nothing: its connection is cut."""
         if not self._finished:
-            await self._close_and_finish(self._end or self._cut_short())
+            await self._close_and_finish(self._end or self._cut_short("gateway_shutdown"))
         # A send the cancellation interrupted wrote nothing (uvicorn waits for room before
         # it writes): what is left goes out whole.
         if self._end is not None:  # the cancellation landed in the body's last writes
@@ -225,11 +225,11 @@ class StreamRelay:
         except OSError:
             pass  # the client is gone too
 
-    def _cut_short(self) -> StreamEnd:
-        """The stream ended before the backend's body did: the client left. Unless it left
-        after [DONE]: it had it all, and the SDK stops reading there, though the backend
-        had yet to end its body."""
-        return StreamEnd(self._status() if self.meter.done else "client_closed", self.meter)
+    def _cut_short(self, why: RequestStatus = "client_closed") -> StreamEnd:
+        """The stream ended before the backend's body did: the client left, or the drain's
+        end cut it (``why``). Unless that came after [DONE]: the client had it all, and the
+        SDK stops reading there, though the backend had yet to end its body."""
+        return StreamEnd(self._status() if self.meter.done else why, self.meter)
 
     def _status(self) -> RequestStatus:
         """How a stream whose body ended (or reached [DONE]) went, by what it carried."""

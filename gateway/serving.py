@@ -44,6 +44,25 @@ def server_config(app: ASGIApp, host: str, port: int, **kwargs: object) -> uvico
     )
 
 
+def gateway_server(
+    app: ASGIApp, host: str, port: int, drain: Drain, log_level: str = "warning"
+) -> uvicorn.Server:
+    """The gateway's server: its own HTTP protocol, and a graceful shutdown that outlasts
+    the drain."""
+    from gateway.protocol import GatewayProtocol  # the gateway's alone: sims run stock uvicorn
+
+    config = server_config(
+        app,
+        host,
+        port,
+        log_level=log_level,
+        http=GatewayProtocol,  # stamps each request's arrival: TTFT starts there
+        # uvicorn cancels what still runs only after the drain closed the queues.
+        timeout_graceful_shutdown=drain.timeout_s + STOP_GRACE_S,
+    )
+    return uvicorn.Server(config)
+
+
 @dataclass
 class EmbeddedSim:
     name: str

@@ -175,7 +175,7 @@ def feed(metrics: GatewayMetrics, stop: threading.Event) -> None:
             metrics.observe_request(
                 RequestRecord(
                     backend=name, pool=pool, model="Qwen/Qwen3-4B",
-                    status=rng.choices(REQUEST_STATUSES, weights=(90, 4, 2, 2, 2))[0],
+                    status=rng.choices(REQUEST_STATUSES, weights=(90, 4, 1, 2, 2, 2))[0],
                     stream=True, finish_reason="stop", queue_s=(queue := rng.uniform(0, 0.05)),
                     upstream_s=queue + rng.uniform(0.0002, 0.003),
                     overhead_s=rng.uniform(0.0002, 0.003),

@@ -14,18 +14,21 @@ import signal
 import socket
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.drain import DRAIN_STATE_KEY, Drain
 from gateway.meter import StreamMeter
 from gateway.relay import StreamRelay
 from gateway.upstream_response import UpstreamResponse
 from tests import test_ops_robustness
+from tests.instrumented_gateway import start_instrumented_gateway
 from tests.procs import (
     MODEL,
     Proc,
@@ -33,12 +36,15 @@ from tests.procs import (
     free_port,
     start_gateway,
     start_process,
+    start_raw_sse,
     start_sim,
     wait_until,
 )
 from tests.test_front_protocol_fixes import post
 from tests.test_ops_robustness import is_token
+from tests.test_proxy_wire import record_of
 from tests.test_relay_order import CHUNKS, Body, Finisher
+from tests.test_reload_live import sse
 
 slow_sim = test_ops_robustness.slow_sim  # the same module-scoped fixture, here too
 
@@ -146,6 +152,94 @@ def test_a_whole_answer_awaited_at_the_drain_end_is_answered_503(
         client.join(5)
 
 
+HANG = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + sse("a")
+# A whole answer whose head came and whose body never ends: the drain's end finds the
+# gateway reading it, where a backend slow to answer at all (``["hang"]``) has it waiting
+# for the head.
+HALF_ANSWER = 'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 99\r\n\r\n{"c'
+STATIC_8 = {"kind": "static", "initial": 8, "min": 1, "max": 8}
+
+
+def test_what_the_drain_cuts_is_counted_as_the_gateway_shutting_down(tmp_path: Path) -> None:
+    """Cut by the drain's end, streams and whole answers were counted ``client_closed``,
+    which the dashboard reads as users giving up: a deploy looked like users leaving. They
+    are ``gateway_shutdown`` now; a client that really left is still ``client_closed``."""
+    raw = start_raw_sse(tmp_path)
+    config = {"backends": [backend("s", raw.url, limit=STATIC_8)], "health": {"interval_s": 60}}
+    env = {"KNEECAP_LISTEN__DRAIN_TIMEOUT_S": "1"}
+    try:
+        gw, at_exit = start_instrumented_gateway(tmp_path, config, env)
+    except BaseException:
+        raw.stop()
+        raise
+    url = gw.url + "/v1/chat/completions"
+
+    def post_as(request_id: str, script: list[list[Any]]) -> httpx.Response:
+        body = {**CHAT, "raw_script": script}
+        return httpx.post(url, json=body, headers={"x-request-id": request_id}, timeout=30)
+
+    def in_flight() -> int:
+        return httpx.get(gw.url + "/admin/state", timeout=5).json()["backends"][0]["in_flight"]
+
+    def stream_as(request_id: str, lines: list[str], then_leave: bool) -> None:
+        body = {**CHAT, "stream": True, "raw_script": [["send", HANG], ["hang"]]}
+        headers = {"x-request-id": request_id}
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=30) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if then_leave and line.startswith("data: {"):
+                    return
+
+    cut_lines: list[str] = []
+    clients = ThreadPoolExecutor(4)
+    try:
+        # Clients that really leave: a stream after its first token, a whole answer on
+        # its own timeout. Each is counted before the drain starts.
+        stream_as("left-stream", [], then_leave=True)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                url,
+                json={**CHAT, "raw_script": [["hang"]]},
+                headers={"x-request-id": "left-whole"},
+                timeout=0.5,
+            )
+        for request_id in ("left-stream", "left-whole"):
+            assert record_of(gw, request_id)["status"] == "client_closed"  # type: ignore[arg-type]
+        # What the drain's end finds: a stream between two tokens, a whole answer awaiting
+        # its backend's head, another its body.
+        cut_stream = clients.submit(stream_as, "cut-stream", cut_lines, False)
+        head = clients.submit(post_as, "cut-head", [["hang"]])
+        body = clients.submit(post_as, "cut-body", [["send", HALF_ANSWER], ["hang"]])
+        wait_until(lambda: in_flight() == 3)
+        wait_until(lambda: any(line.startswith("data: {") for line in cut_lines))
+        gw.process.send_signal(signal.SIGTERM)
+        cut_stream.result(10)
+        assert '"code": "shutting_down"' in [line for line in cut_lines if line][-1]
+        for answer in (head.result(10), body.result(10)):
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
+        assert gw.process.wait(10) == 0
+    finally:
+        gw.stop()
+        raw.stop()
+        clients.shutdown(wait=False, cancel_futures=True)
+    final = json.loads(at_exit.read_text())
+    statuses = {r["request_id"]: r["status"] for r in final["requests"]}
+    assert statuses == {
+        "left-stream": "client_closed",
+        "left-whole": "client_closed",
+        "cut-stream": "gateway_shutdown",
+        "cut-head": "gateway_shutdown",
+        "cut-body": "gateway_shutdown",
+    }
+    counted = {
+        sample.labels["status"]: sample.value
+        for family in text_string_to_metric_families(final["metrics"])
+        for sample in family.samples
+        if sample.name == "kneecap_requests_total"
+    }
+    assert counted == {"client_closed": 2, "gateway_shutdown": 3}
+
+
 def test_a_second_ctrl_c_cuts_the_embedded_default_cleanly(tmp_path: Path) -> None:
     """Forced, uvicorn skipped the apps' shutdown: the gateway's and each embedded sim's
     lifespan was cancelled at the loop's end, a traceback each."""
@@ -213,7 +307,7 @@ def test_a_cut_stream_is_closed_recorded_and_released_once() -> None:
             drain.stop()  # the first event is out: the stream waits on its backend
 
     run_relay(relay, drain, send)
-    assert log == ["record client_closed", "release client_closed"]
+    assert log == ["record gateway_shutdown", "release gateway_shutdown"]
     assert body.closed == 1
     bodies = [m for m in sent if m["type"] == "http.response.body"]
     assert bodies[0]["body"] == CHUNKS[0]
@@ -271,7 +365,7 @@ def test_a_stream_whose_answer_comes_after_the_drain_is_cut_at_once() -> None:
         sent.append(message)
 
     run_relay(relay, drain, send)
-    assert log == ["record client_closed", "release client_closed"] and body.closed == 1
+    assert log == ["record gateway_shutdown", "release gateway_shutdown"] and body.closed == 1
     assert b'"code": "shutting_down"' in sent[-2]["body"] and not sent[-1]["more_body"]
 
 
@@ -366,4 +460,4 @@ def test_a_cut_stream_that_is_no_sse_just_ends() -> None:
     run_relay(relay, drain, send)
     bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
     assert bodies == [b'{"text": "a"}\n', b""] and not sent[-1]["more_body"]
-    assert log == ["record client_closed", "release client_closed"] and body.closed == 1
+    assert log == ["record gateway_shutdown", "release gateway_shutdown"] and body.closed == 1
