@@ -99,3 +99,24 @@ def test_interleaved_paced_comparison_reports_ttft_and_itl_tails() -> None:
         float(summary.split("new - old median ")[1].split()[0])  # a number, signed
     itl_p99 = float(summaries[2].split("old mean ")[1].split(",")[0])
     assert 15 <= itl_p99 < 100  # the backend's 15 ms pace, and then some
+
+
+def test_interleave_runs_the_old_side_on_the_interpreter_given(tmp_path: Path) -> None:
+    """``--old-python``: the old side's gateway runs on that interpreter (here a wrapper
+    that leaves a mark, then runs this one), the new side on this one."""
+    mark = tmp_path / "old-side-ran"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {mark}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    command = ["gateway.perf.interleave", "--old", str(ROOT), "--no-pin", "--pairs", "1"]
+    result = subprocess.run(
+        [sys.executable, "-m", *command, "--old-python", str(wrapper)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    (invocation,) = mark.read_text().splitlines()  # one gateway: the old side's
+    assert invocation.startswith("-m gateway.cli serve --config ")
+    assert "old.yaml" in invocation

@@ -4,8 +4,10 @@ slices: what one change costs or saves, with the machine's drift hitting both al
     python -m gateway.perf.interleave --old /path/to/old/checkout --scenario nonstream
 
 ``--old`` is another checkout of kneecap (e.g. ``git worktree add /tmp/old HEAD~1``);
-the new side is this one. Both gateways run pinned to core 0 in front of the relay
-bench's fast backend (core 1, with the load); slices alternate old/new, new/old, ... On
+the new side is this one. ``--old-python`` runs the old side on another interpreter: with
+``--old`` this checkout, the two sides differ by interpreter alone. Both gateways run
+pinned to core 0 in front of the relay bench's fast backend (core 1, with the load);
+slices alternate old/new, new/old, ... On
 this shared VM single runs of ``relay_bench`` move by ±30 % between runs, while adjacent
 slices see nearly the same machine: the figure to read is the median over slice pairs.
 
@@ -42,7 +44,9 @@ HOST = "127.0.0.1"
 HERE = Path(__file__).resolve().parents[2]
 
 
-def _gateway(name: str, checkout: Path, backend_url: str, workdir: Path, core: int | None) -> Proc:
+def _gateway(
+    name: str, checkout: Path, python: str, backend_url: str, workdir: Path, core: int | None
+) -> Proc:
     port = free_port()
     config = workdir / f"{name}.yaml"
     config.write_text(
@@ -55,7 +59,7 @@ def _gateway(name: str, checkout: Path, backend_url: str, workdir: Path, core: i
             }
         )
     )
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)]
+    command = [python, "-m", "gateway.cli", "serve", "--config", str(config)]
     handle = (workdir / f"{name}.log").open("wb")
     process = subprocess.Popen(
         pinned([*command, "--log-level", "warning"], core),
@@ -195,6 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scenario", choices=("nonstream", "paced"), default="nonstream")
     parser.add_argument("--pairs", type=int, default=12, help="slice pairs (default 12)")
     parser.add_argument("--no-pin", action="store_true", help="do not use taskset/affinity")
+    parser.add_argument(
+        "--old-python",
+        default=sys.executable,
+        help="the old side's interpreter, with kneecap's dependencies (default: this one)",
+    )
     args = parser.parse_args(argv)
     if not (args.old / "gateway" / "cli.py").exists():
         parser.error(f"--old {args.old}: not a kneecap checkout")
@@ -215,8 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             procs.append(backend)
             core = None if args.no_pin else 0
-            procs.append(_gateway("old", args.old.resolve(), backend.url, workdir, core))
-            procs.append(_gateway("new", HERE, backend.url, workdir, core))
+            old = args.old.resolve()
+            procs.append(_gateway("old", old, args.old_python, backend.url, workdir, core))
+            procs.append(_gateway("new", HERE, sys.executable, backend.url, workdir, core))
             if not args.no_pin:  # the load beside the backend, off the gateways' core
                 os.sched_setaffinity(0, {1})
             rows = asyncio.run(_run(procs[1], procs[2], args.scenario, args.pairs))
