@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import openai
 import pytest
@@ -23,6 +23,8 @@ from gateway.recording import Flight
 from tests.procs import MODEL, Gateway, Proc, backend, served, start_gateway, start_sim, wait_until
 from tests.test_proxy_wire import records
 from tests.test_recording import make
+
+T = TypeVar("T")
 
 # --- the recorder's rule ------------------------------------------------------
 
@@ -103,16 +105,20 @@ def gateway_for(tmp_path: Path, sim: Proc, read_timeout_s: float) -> Gateway:
     return start_gateway(tmp_path, config)
 
 
-async def give_up(client: openai.AsyncOpenAI, request_id: str) -> float:
-    """Streams one request and gives up on its first token ``GIVE_UP_S`` after the
-    answer's head came; returns how long it waited from the head to giving up."""
-    stream = await client.chat.completions.create(
+async def open_stream(client: openai.AsyncOpenAI, request_id: str) -> Any:
+    return await client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "hi"}],
         stream=True,
         max_tokens=4,
         extra_headers={"x-request-id": request_id},
     )
+
+
+async def give_up(client: openai.AsyncOpenAI, request_id: str) -> float:
+    """Streams one request and gives up on its first token ``GIVE_UP_S`` after the
+    answer's head came; returns how long it waited from the head to giving up."""
+    stream = await open_stream(client, request_id)
     headed = time.perf_counter()
 
     async def first_token() -> None:
@@ -145,28 +151,42 @@ def window_of(gw: Gateway) -> dict[str, Any]:
     return state["window"]
 
 
-def test_clients_that_give_up_before_the_first_token_raise_the_windows_ttft(
-    tmp_path: Path, slow_sim: Proc
-) -> None:
-    gw = gateway_for(tmp_path, slow_sim, read_timeout_s=60)
-    ids = {f"censored-{i}" for i in range(CLIENTS)}
+def run_clients(
+    tmp_path: Path,
+    sim: Proc,
+    read_timeout_s: float,
+    each: Callable[[openai.AsyncOpenAI, str], Awaitable[T]],
+    status: str,
+) -> tuple[list[T], dict[str, Any]]:
+    """``CLIENTS`` streams through a gateway of their own, each run by ``each``; all must
+    end with ``status``. Returns what each returned, and the backend's window, which must
+    hold only censored TTFTs, one a stream."""
+    gw = gateway_for(tmp_path, sim, read_timeout_s=read_timeout_s)
+    ids = {f"{status}-{i}" for i in range(CLIENTS)}
 
-    async def clients() -> list[float]:
+    async def clients() -> list[T]:
         async with openai.AsyncOpenAI(
             base_url=gw.url + "/v1", api_key="x", max_retries=0
         ) as client:
-            return await asyncio.gather(*(give_up(client, i) for i in sorted(ids)))
+            return await asyncio.gather(*(each(client, i) for i in sorted(ids)))
 
     try:
-        waited = asyncio.run(clients())
-        assert {r["status"] for r in recorded(gw, ids)} == {"client_closed"}
+        results = asyncio.run(clients())
+        assert {r["status"] for r in recorded(gw, ids)} == {status}
         window = window_of(gw)
     finally:
         gw.proc.stop()
-    # The gateway admitted each request before its head reached the client and saw the
-    # close after the client made it: its bound is at least what the client waited.
     assert window["ttft_p95"] is not None, f"only survivors counted: {window}"
     assert window["ttft_censored"] == window["ttft_samples"] == CLIENTS
+    return results, window
+
+
+def test_clients_that_give_up_before_the_first_token_raise_the_windows_ttft(
+    tmp_path: Path, slow_sim: Proc
+) -> None:
+    waited, window = run_clients(tmp_path, slow_sim, 60, give_up, "client_closed")
+    # The gateway admitted each request before its head reached the client and saw the
+    # close after the client made it: its bound is at least what the client waited.
     assert max(waited) <= window["ttft_p50"] <= window["ttft_p95"] < SIM_TTFT_S
 
 
@@ -174,35 +194,13 @@ def test_streams_the_upstream_read_timeout_cut_raise_the_windows_ttft(
     tmp_path: Path, slow_sim: Proc
 ) -> None:
     read_timeout_s = 0.3
-    gw = gateway_for(tmp_path, slow_sim, read_timeout_s=read_timeout_s)
-    ids = {f"timed-out-{i}" for i in range(CLIENTS)}
-
-    async def clients() -> None:
-        async with openai.AsyncOpenAI(
-            base_url=gw.url + "/v1", api_key="x", max_retries=0
-        ) as client:
-            await asyncio.gather(*(read_to_the_end(client, i) for i in sorted(ids)))
-
-    try:
-        asyncio.run(clients())
-        assert {r["status"] for r in recorded(gw, ids)} == {"upstream_timeout"}
-        window = window_of(gw)
-    finally:
-        gw.proc.stop()
-    assert window["ttft_p95"] is not None, f"only survivors counted: {window}"
-    assert window["ttft_censored"] == window["ttft_samples"] == CLIENTS
+    _, window = run_clients(tmp_path, slow_sim, read_timeout_s, read_to_the_end, "upstream_timeout")
     assert read_timeout_s <= window["ttft_p95"] < SIM_TTFT_S
 
 
 async def read_to_the_end(client: openai.AsyncOpenAI, request_id: str) -> None:
     """Streams one request to whatever end the gateway gives it."""
-    stream = await client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
-        stream=True,
-        max_tokens=4,
-        extra_headers={"x-request-id": request_id},
-    )
+    stream = await open_stream(client, request_id)
     try:
         with pytest.raises(openai.APIError):
             async for chunk in stream:
