@@ -88,6 +88,7 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
                 runtime.recorder.finished(flight, reached, "client_closed")
             raise
         flight.admitted = time.perf_counter()
+        flight.attempt_over = False
         flight.waited += lease.queue_wait
         # A retry is counted once it is tried on a backend: not when it finds no room in the
         # queue, nor no connection to make (the gateway's shortage, below).
@@ -112,6 +113,7 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             release_lease(runtime, flight, lease, Outcome.IGNORE)
             if failed_on is not None and last_error is not None:  # an earlier attempt did
                 flight.sent = written  # its record is that attempt's, upstream_s included
+                flight.attempt_over = True
                 runtime.recorder.finished(flight, failed_on, status_of(last_error))
             else:
                 runtime.recorder.rejected(pool, "gateway_overloaded")

@@ -94,6 +94,9 @@ async def buffered(
     usage = None
     finish_reason = None
     replica = lease.backend.backend
+    # Answered, whole (a stream asked for gets this for an error): no first token is
+    # awaited, so however this ends it bounds none.
+    flight.attempt_over = True
     try:
         body = await upstream.aread()
         status = "ok" if upstream.status_code < 400 else "client_error"

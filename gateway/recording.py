@@ -54,6 +54,10 @@ class Flight:
     waited: float = 0.0  # seconds spent in admission queues, over all attempts
     failed: float = 0.0  # seconds spent on failed attempts, each from its admission on
     overhead: float = 0.0  # the gateway's own seconds before the (last) write
+    # The attempt admitted last failed, or answered without a stream: its end bounds no
+    # first token (a record made after it, e.g. the client gone while a retry waited, adds
+    # no censored TTFT).
+    attempt_over: bool = False
 
     def mark_sent(self, on_wire: bool = True) -> None:
         """The upstream request is on the wire now, or (False) its write was lost."""
@@ -68,6 +72,7 @@ class Flight:
         """The attempt admitted last has failed (its lease is back): its time, spent on a
         backend that failed it, is neither queue wait nor the gateway's own."""
         self.failed += time.perf_counter() - self.admitted
+        self.attempt_over = True
 
 
 class _Finished(NamedTuple):
@@ -162,7 +167,13 @@ class Recorder:
         window = replica.window
         if meter is not None:
             meter.flush(end, final=True)  # the window's ITL becomes this record's
-        if ttft is None and flight.stream and flight.sent and status not in _UNCENSORED:
+        if (
+            ttft is None
+            and flight.stream
+            and flight.sent
+            and not flight.attempt_over
+            and status not in _UNCENSORED
+        ):
             # A stream that reached the backend and ended (gave up on, cut, failed) before
             # any output: its TTFT, counted from admission as the meter's, is longer than
             # this. Without it the window's TTFT would be the survivors' (see gateway.window).

@@ -120,10 +120,15 @@ class Held:
             self._stream.__exit__(None, None, None)
 
 
-def failing_body() -> bytes:
-    return json.dumps(
-        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "raw_script": FAILS}
-    ).encode()
+def failing_body(stream: bool = False) -> bytes:
+    messages = [{"role": "user", "content": "x"}]
+    body = {"model": MODEL, "messages": messages, "raw_script": FAILS, "stream": stream}
+    return json.dumps(body).encode()
+
+
+def censored_ttfts(gw: Gateway, backend: str) -> int:
+    (state,) = [b for b in gw.state()["backends"] if b["name"] == backend]
+    return state["window"]["ttft_censored"]
 
 
 def test_a_retry_that_finds_no_room_is_no_retry(pair: Gateway, raws: dict[str, Proc]) -> None:
@@ -153,23 +158,26 @@ def test_a_retry_that_finds_no_room_is_no_retry(pair: Gateway, raws: dict[str, P
     wait_until(lambda: idle(pair), timeout=10)
 
 
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_client_leaving_while_its_retry_waits_is_counted_once(
-    pair: Gateway, raws: dict[str, Proc]
+    pair: Gateway, raws: dict[str, Proc], stream: bool
 ) -> None:
     """The request reached a backend (which answered 500), then left while its retry
     waited for the held one: one client_closed on the backend it reached, nothing else
-    (before: counted nowhere)."""
+    (before: counted nowhere). Streamed, its wait is no censored TTFT on the backend that
+    failed it: that attempt was over, answered."""
     wait_until(lambda: idle(pair), timeout=10)
     retried_before = retries(pair)
     total_before = requests_total(pair)
     held = Held(pair, raws)
     reached = next(name for name in raws if name != held.backend)
     closed_before = requests_total(pair, status="client_closed", backend=reached)
+    censored_before = censored_ttfts(pair, reached)
     try:
         request_id = new_id("left")
         conn = RawConnection(pair)
         try:
-            conn.send(post_bytes(CHAT, failing_body(), {"x-request-id": request_id}))
+            conn.send(post_bytes(CHAT, failing_body(stream), {"x-request-id": request_id}))
             wait_until(lambda: pair.state()["pools"]["short"]["queue_depth"] == 1, timeout=10)
         finally:
             conn.close()
@@ -180,6 +188,7 @@ def test_a_client_leaving_while_its_retry_waits_is_counted_once(
         assert requests_total(pair, status="client_closed", backend=reached) == closed_before + 1
         assert requests_total(pair) == total_before + 1
         assert retries(pair) == retried_before  # the retry never went out
+        assert censored_ttfts(pair, reached) == censored_before
     finally:
         held.release()
     wait_until(lambda: idle(pair), timeout=10)

@@ -10,17 +10,29 @@ alone, then through a real gateway in front of a real simulator that is too slow
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import openai
 import pytest
 
 from gateway.meter import StreamMeter
 from gateway.recording import Flight
-from tests.procs import MODEL, Gateway, Proc, backend, served, start_gateway, start_sim, wait_until
+from tests.procs import (
+    MODEL,
+    Gateway,
+    Proc,
+    backend,
+    served,
+    start_gateway,
+    start_raw_sse,
+    start_sim,
+    wait_until,
+)
 from tests.test_proxy_wire import records
 from tests.test_recording import make
 
@@ -207,3 +219,42 @@ async def read_to_the_end(client: openai.AsyncOpenAI, request_id: str) -> None:
                 assert not (chunk.choices and chunk.choices[0].delta.content), "too fast"
     finally:
         await stream.close()
+
+
+def test_an_error_answered_to_a_stream_is_no_censored_ttft(tmp_path: Path) -> None:
+    """A streamed request its only backend answers with a 500: answered, whole. No first
+    token was coming, so the wait bounds none (it would read as a long TTFT otherwise)."""
+    raw = start_raw_sse(tmp_path)
+    body = {"error": {"message": "boom", "type": "internal", "code": 500}}
+    text = json.dumps(body)
+    head = "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+    script = [["send", f"{head}content-length: {len(text)}\r\n\r\n{text}"]]
+    try:
+        config = {
+            "backends": [backend("raw", raw.url)],
+            "health": {"interval_s": 30, "failure_threshold": 1000},
+            "measurement": {"window_s": 120},
+        }
+        gw = start_gateway(tmp_path, config)
+        try:
+            request = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "stream": True,
+                "raw_script": script,
+            }
+            answer = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json=request,
+                headers={"x-request-id": "answered-500"},
+                timeout=30,
+            )
+            assert answer.status_code == 500
+            (record,) = recorded(gw, {"answered-500"})
+            assert record["status"] == "upstream_error"
+            window = window_of(gw)
+        finally:
+            gw.proc.stop()
+    finally:
+        raw.stop()
+    assert (window["ttft_censored"], window["ttft_p95"]) == (0, None)
