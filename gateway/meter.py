@@ -84,6 +84,9 @@ class StreamMeter:
     # The first sequence's finishing event carried no output: vLLM's empty last chunk,
     # whose token (the EOS) usage counts though no output event carried it.
     finish_empty: bool = False
+    # False: the answer is no event stream (NDJSON, text), relayed unmetered: no first
+    # token can be seen in it, so its end bounds none.
+    metered: bool = True
     upstream_error: bool = False
     client_error: bool = False  # the engine's error event blames the request (a 4xx code)
     done: bool = False

@@ -130,6 +130,7 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
             try:
                 if not flight.sent:  # not written: the record is an earlier attempt's, if any
                     flight.sent = written
+                    flight.attempt_over = True  # that attempt failed: it bounds no TTFT
                 else:
                     reached = replica
                 if reached is not None:  # a backend had it: it counts, though never answered

@@ -172,6 +172,7 @@ class Recorder:
             and flight.stream
             and flight.sent
             and not flight.attempt_over
+            and (meter is None or meter.metered)
             and status not in _UNCENSORED
         ):
             # A stream that reached the backend and ended (gave up on, cut, failed) before

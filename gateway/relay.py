@@ -153,6 +153,8 @@ class StreamRelay:
         # and holding bytes back until a blank line would stop it streaming at all. Off
         # too while an event too long to hold is relayed as it comes (``_unframed``).
         self.events = is_event_stream(upstream.raw_headers)
+        if not self.events:
+            meter.metered = False
         # Set once the upstream body is over, before the last send: the client may
         # hang up the moment it has the last byte, and that is not a disconnect.
         self._end: StreamEnd | None = None

@@ -206,7 +206,7 @@ class Runtime:
             self.metrics.set_engine_stats(
                 name, running=running, waiting=waiting, kv_cache_usage=kv_usage
             )
-            tokens_per_s = sum(r.window.stats(now).output_tokens_per_s for r in replicas)
+            tokens_per_s = sum(r.window.output_tokens_per_s(now) for r in replicas)
             self.metrics.set_output_tokens_per_second(name, tokens_per_s)
         for pool, admission in self.admissions.items():
             for priority in Priority:

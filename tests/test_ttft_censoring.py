@@ -10,6 +10,7 @@ alone, then through a real gateway in front of a real simulator that is too slow
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -221,40 +222,65 @@ async def read_to_the_end(client: openai.AsyncOpenAI, request_id: str) -> None:
         await stream.close()
 
 
-def test_an_error_answered_to_a_stream_is_no_censored_ttft(tmp_path: Path) -> None:
-    """A streamed request its only backend answers with a 500: answered, whole. No first
-    token was coming, so the wait bounds none (it would read as a long TTFT otherwise)."""
+def scripted(tmp_path: Path, endpoint: str, request: dict[str, Any]) -> tuple[int, Any, Any]:
+    """One streamed request through a gateway of its own to a raw backend that plays the
+    request's script: the answer's status, its record, and the backend's window."""
     raw = start_raw_sse(tmp_path)
-    body = {"error": {"message": "boom", "type": "internal", "code": 500}}
-    text = json.dumps(body)
-    head = "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
-    script = [["send", f"{head}content-length: {len(text)}\r\n\r\n{text}"]]
     try:
         config = {
             "backends": [backend("raw", raw.url)],
             "health": {"interval_s": 30, "failure_threshold": 1000},
+            "upstream": {"max_attempts": 1},
             "measurement": {"window_s": 120},
         }
         gw = start_gateway(tmp_path, config)
         try:
-            request = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "x"}],
-                "stream": True,
-                "raw_script": script,
-            }
-            answer = httpx.post(
-                gw.url + "/v1/chat/completions",
-                json=request,
-                headers={"x-request-id": "answered-500"},
-                timeout=30,
-            )
-            assert answer.status_code == 500
-            (record,) = recorded(gw, {"answered-500"})
-            assert record["status"] == "upstream_error"
-            window = window_of(gw)
+            status = 0
+            with contextlib.suppress(httpx.HTTPError):  # a cut body ends the read
+                with httpx.stream(
+                    "POST",
+                    gw.url + endpoint,
+                    json={"model": MODEL, "stream": True, **request},
+                    headers={"x-request-id": "scripted"},
+                    timeout=30,
+                ) as answer:
+                    status = answer.status_code
+                    for _ in answer.iter_raw():
+                        pass
+            (record,) = recorded(gw, {"scripted"})
+            return status, record, window_of(gw)
         finally:
             gw.proc.stop()
     finally:
         raw.stop()
+
+
+def test_an_error_answered_to_a_stream_is_no_censored_ttft(tmp_path: Path) -> None:
+    """A streamed request its only backend answers with a 500: answered, whole. No first
+    token was coming, so the wait bounds none (it would read as a long TTFT otherwise)."""
+    text = json.dumps({"error": {"message": "boom", "type": "internal", "code": 500}})
+    head = "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+    script = [["send", f"{head}content-length: {len(text)}\r\n\r\n{text}"]]
+    request = {"messages": [{"role": "user", "content": "x"}], "raw_script": script}
+    status, record, window = scripted(tmp_path, "/v1/chat/completions", request)
+    assert (status, record["status"]) == (500, "upstream_error")
+    assert (window["ttft_censored"], window["ttft_p95"]) == (0, None)
+
+
+def test_a_stream_that_is_no_event_stream_is_no_censored_ttft(tmp_path: Path) -> None:
+    """An NDJSON answer is relayed unmetered: its output is never seen, so a cut after it
+    must not read as a first token still awaited (the whole stream's length, as a TTFT)."""
+    head = (
+        "HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+        "transfer-encoding: chunked\r\n\r\n"
+    )
+    line = json.dumps({"choices": [{"index": 0, "text": "tok"}]}) + "\n"
+    script = [["send", head]]
+    for _ in range(3):
+        script += [["send", f"{len(line):x}\r\n{line}\r\n"], ["pause", 0.05]]
+    script += [["reset"]]
+    status, record, window = scripted(
+        tmp_path, "/v1/completions", {"prompt": "x", "raw_script": script}
+    )
+    assert (status, record["status"], record["ttft_s"]) == (200, "upstream_error", None)
     assert (window["ttft_censored"], window["ttft_p95"]) == (0, None)

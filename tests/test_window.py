@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from fractions import Fraction
+
 import pytest
 
 from gateway.window import RollingWindow, censored_percentiles, percentile
@@ -108,6 +111,48 @@ def test_an_observed_value_leaves_before_a_censored_one_it_ties_with() -> None:
     assert censored_percentiles([1.0, 2.0], [1.0], (50,)) == [2]
     # 1: 5/6; 2: 4/6; 2: 3/6 (p50); both censored 2s leave; 3: S = 0.
     assert censored_percentiles([1.0, 2.0, 2.0, 3.0], [2.0, 2.0], (50, 95)) == [2, 3]
+
+
+def walked_kaplan_meier(
+    observed: list[float], censored: list[float], qs: tuple[float, ...]
+) -> list[float | None]:
+    """The estimator by its definition, one value at a time, with exact fractions: the
+    reference the solved stretches must match."""
+    if not observed and not censored:
+        return [None] * len(qs)
+    events = sorted([(v, 0) for v in observed] + [(v, 1) for v in censored])
+    at_risk, survival = len(events), Fraction(1)
+    results: list[float | None] = [None] * len(qs)
+    for value, is_censored in events:
+        if not is_censored:
+            survival *= Fraction(at_risk - 1, at_risk)
+            for i, q in enumerate(qs):
+                if results[i] is None and 1 - survival >= Fraction(q) / 100:
+                    results[i] = value
+        at_risk -= 1
+    return [max(censored) if r is None else r for r in results]
+
+
+def test_the_solved_estimator_matches_the_walked_one() -> None:
+    rng = random.Random(7)
+    for _ in range(3000):
+        # Few distinct values half the time: ties between and among both kinds.
+        pool = [rng.choice((0.1, 0.2, 0.3, 0.5, 1.0)) for _ in range(4)]
+        tied = rng.random() < 0.5
+
+        def draw(pool: list[float] = pool, tied: bool = tied) -> float:
+            return rng.choice(pool) if tied else rng.uniform(0, 2)
+
+        observed = sorted(draw() for _ in range(rng.randint(0, 60)))
+        censored = sorted(draw() for _ in range(rng.randint(0, 12)))
+        expected = walked_kaplan_meier(observed, censored, (50, 90, 95, 99))
+        got = censored_percentiles(observed, censored, (50, 90, 95, 99))
+        assert got == expected, (observed, censored)
+
+
+def test_a_large_window_with_one_censored_value() -> None:
+    observed = [i / 1000 for i in range(50_000)]
+    assert censored_percentiles(observed, [25.0], (50, 95, 99)) == [25.0, 47.5, 49.5]
 
 
 def test_the_window_keeps_censored_ttfts_over_the_same_span() -> None:
