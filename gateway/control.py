@@ -35,6 +35,7 @@ def sample_of(replica: Replica, now: float, engine: EngineGauges | None, demand:
         engine_waiting=waiting,
         demand=demand,
         engine_kv_usage=None if engine is None else engine.kv_usage,
+        ttft_p95_bound=enough and stats.ttft_p95_bound,
     )
 
 

@@ -26,6 +26,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float | None:
@@ -41,9 +42,21 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
 _KM_SLACK = 1e-9
 
 
+class Estimate(NamedTuple):
+    value: float | None
+    bound: bool  # only a lower bound: too many were censored above every observed value
+
+
 def censored_percentiles(
     observed: Sequence[float], censored: Sequence[float], qs: Sequence[float]
 ) -> list[float | None]:
+    """The values of :func:`kaplan_meier`."""
+    return [estimate.value for estimate in kaplan_meier(observed, censored, qs)]
+
+
+def kaplan_meier(
+    observed: Sequence[float], censored: Sequence[float], qs: Sequence[float]
+) -> list[Estimate]:
     """Kaplan-Meier percentiles (q in 0..100) of sorted observed and sorted
     right-censored values (each only known to be larger than its value).
 
@@ -60,7 +73,7 @@ def censored_percentiles(
     backend's window holds tens of thousands of TTFTs).
     """
     if not observed and not censored:
-        return [None] * len(qs)
+        return [Estimate(None, False)] * len(qs)
     results: list[float | None] = [None] * len(qs)
     keep = [1 - (q / 100 - _KM_SLACK) for q in qs]  # the survival each percentile needs
     at_risk = len(observed) + len(censored)
@@ -79,7 +92,7 @@ def censored_percentiles(
         if bound != math.inf:
             at_risk -= 1  # the censored value leaves the risk set
     top = censored[-1] if censored else observed[-1]
-    return [top if result is None else result for result in results]
+    return [Estimate(top, True) if r is None else Estimate(r, False) for r in results]
 
 
 def _fewest(survival: float, at_risk: int, target: float) -> int:
@@ -99,6 +112,9 @@ class WindowStats:
     completed: int
     ttft_samples: int  # censored ones included: what the TTFT percentiles stand on
     ttft_censored: int  # of those, streams that ended before any output (lower bounds)
+    # The p95 is only a lower bound: more streams gave up than the observed TTFTs could
+    # place (a controller must not take it for a measured latency, e.g. a baseline).
+    ttft_p95_bound: bool
     itl_samples: int
     ttft_p50: float | None
     ttft_p95: float | None
@@ -240,9 +256,12 @@ class RollingWindow:
     def stats(self, now: float) -> WindowStats:
         self._evict(now)
         ttft = sorted(v for _, v in self._ttft)
+        p95_bound = False
         if self._ttft_censored:
             censored = sorted(v for _, v in self._ttft_censored)
-            ttft_p50, ttft_p95, ttft_p99 = censored_percentiles(ttft, censored, (50, 95, 99))
+            p50, p95, p99 = kaplan_meier(ttft, censored, (50, 95, 99))
+            ttft_p50, ttft_p95, ttft_p99 = p50.value, p95.value, p99.value
+            p95_bound = p95.bound
         else:
             censored = []
             ttft_p50, ttft_p95, ttft_p99 = (percentile(ttft, q) for q in (50, 95, 99))
@@ -252,6 +271,7 @@ class RollingWindow:
             completed=len(self._completed),
             ttft_samples=len(ttft) + len(censored),
             ttft_censored=len(censored),
+            ttft_p95_bound=p95_bound,
             itl_samples=itl_samples,
             ttft_p50=ttft_p50,
             ttft_p95=ttft_p95,

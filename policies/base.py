@@ -33,6 +33,9 @@ class Sample:
     # The engine's KV cache in use, 0..1 (vLLM kv_cache_usage_perc, SGLang
     # token_usage), if scraped: what the running streams hold, whatever their age.
     engine_kv_usage: float | None = None
+    # ttft_p95 is only a lower bound: more streams ended before their first token than
+    # the window's observed TTFTs could place (see gateway.window).
+    ttft_p95_bound: bool = False
 
 
 class LimitController(Protocol):

@@ -112,10 +112,14 @@ class GradientLimit:
             self._window_started = sample.now
         if sample.now - self._window_started < self._config.min_rtt_window_s:
             return
-        if sample.ttft_p95 is None and self.min_rtt is None:
+        # A p95 that is only a lower bound (streams gave up before their first token) is
+        # no measured latency: it must not become the baseline every later sample is
+        # judged against.
+        measured = None if sample.ttft_p95_bound else sample.ttft_p95
+        if measured is None and self.min_rtt is None:
             return  # nothing measured yet and nothing to fall back on: keep measuring
-        if sample.ttft_p95 is not None:
-            self.min_rtt = sample.ttft_p95
+        if measured is not None:
+            self.min_rtt = measured
         assert self._deferred is not None
         self._limit = self._deferred
         self._deferred = None

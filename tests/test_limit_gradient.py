@@ -11,7 +11,7 @@ from policies.gradient import GradientLimit, GradientLimitConfig
 from policies.registry import reconfigure
 
 
-def sample(now: float, ttft: float | None) -> Sample:
+def sample(now: float, ttft: float | None, bound: bool = False) -> Sample:
     return Sample(
         now=now,
         ttft_p95=ttft,
@@ -21,6 +21,7 @@ def sample(now: float, ttft: float | None) -> Sample:
         completed=4,
         engine_waiting=None,
         demand=0,
+        ttft_p95_bound=bound,
     )
 
 
@@ -97,6 +98,23 @@ def test_min_rtt_is_remeasured_periodically() -> None:
     ctl.update(sample(80.0, 0.2))
     assert ctl.min_rtt == 0.2
     assert ctl.limit >= before  # the limit from before the window is restored
+
+
+def test_a_p95_that_is_only_a_bound_is_never_the_baseline() -> None:
+    """Clients that gave up before their first token at 0.05 s, and no TTFT observed: the
+    window's p95 is their wait, a lower bound. Taken for min_rtt, every later sample would
+    be judged against a latency nobody measured."""
+    ctl = GradientLimit(GradientLimitConfig(initial=16, min=3))
+    assert ctl.update(sample(0.0, 0.05, bound=True)) == 3  # the window opens
+    assert ctl.update(sample(10.0, 0.05, bound=True)) == 3  # over: nothing measured to keep
+    assert ctl.min_rtt is None and ctl.measuring_min_rtt
+    assert ctl.update(sample(11.0, 0.08)) == 16
+    assert ctl.min_rtt == 0.08
+    # A later window that holds only a bound keeps the baseline it had.
+    ctl = measured(min_rtt=0.1, initial=20, min_rtt_interval_s=60.0)
+    ctl.update(sample(70.0, 0.3, bound=True))  # a new window opens
+    ctl.update(sample(80.0, 0.3, bound=True))
+    assert ctl.min_rtt == 0.1 and not ctl.measuring_min_rtt
 
 
 def test_five_updates_pinned_at_min_trigger_an_early_remeasure() -> None:

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from gateway.window import RollingWindow, censored_percentiles, percentile
+from gateway.window import RollingWindow, censored_percentiles, kaplan_meier, percentile
 
 
 def test_nearest_rank_percentile() -> None:
@@ -153,6 +153,21 @@ def test_the_solved_estimator_matches_the_walked_one() -> None:
 def test_a_large_window_with_one_censored_value() -> None:
     observed = [i / 1000 for i in range(50_000)]
     assert censored_percentiles(observed, [25.0], (50, 95, 99)) == [25.0, 47.5, 49.5]
+
+
+def test_only_a_percentile_no_observed_value_reaches_is_a_bound() -> None:
+    estimates = kaplan_meier(ONE_TO_TEN, [20.0], QS)
+    assert [e.bound for e in estimates] == [False, False, True, True]
+    assert [e.bound for e in kaplan_meier(ONE_TO_TEN, [0.5], QS)] == [False] * 4
+    window = RollingWindow(span_s=60)
+    for value in (0.1, 0.2):
+        window.add_ttft(1.0, value)
+    window.add_censored_ttft(1.0, 5.0)
+    stats = window.stats(2.0)
+    assert (stats.ttft_p95, stats.ttft_p95_bound) == (5.0, True)
+    window.add_ttft(1.5, 9.0)  # observed past the wait: the p95 is measured again
+    stats = window.stats(2.0)
+    assert (stats.ttft_p95, stats.ttft_p95_bound) == (9.0, False)
 
 
 def test_the_window_keeps_censored_ttfts_over_the_same_span() -> None:
