@@ -43,45 +43,30 @@ def _own_network_namespace() -> bool:
 # are alone there, and the port range narrowed is theirs only.
 _NO_LOCAL_PORT_LEFT = textwrap.dedent(
     """
-    import json, socket, sys
+    import json, sys
     from pathlib import Path
     import httpx
+    from tests.port_range import no_local_port_to
     from tests.procs import start_gateway
     from tests.test_proxy_front_fixes import chat, warm_and_cold
     from tests.test_proxy_upstream_request import start_echo
 
-    RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-
     def main(tmp):
         warm, cold = start_echo(tmp), start_echo(tmp)
         gw = start_gateway(tmp, warm_and_cold(warm.url, cold.url))
-        wide = RANGE.read_text()
-        holders = []
         client = httpx.Client(base_url=gw.url, timeout=10)  # one keep-alive connection
         try:
             # The proxy path runs once on a backend of its own: the one under test has
             # no connection yet to reuse, and the client's to the gateway stays open.
             assert client.post("/v1/chat/completions", json=chat(model="warm")).is_success
-            RANGE.write_text("40000 40001")
             cold_address = ("127.0.0.1", int(cold.url.rsplit(":", 1)[1]))
-            while True:  # every local port to the cold backend taken
-                sock = socket.socket()
-                try:
-                    sock.connect(cold_address)
-                except OSError as exc:
-                    sock.close()
-                    assert exc.errno == 99, exc  # EADDRNOTAVAIL: the range is used up
-                    break
-                holders.append(sock)
-            response = client.post("/v1/chat/completions", json=chat())
-            # A port to another address is still free: the gateway can be asked.
-            cold_state = next(b for b in gw.state()["backends"] if b["name"] == "cold")
-            for sock in holders:
-                sock.close()
-            RANGE.write_text(wide)
+            with no_local_port_to(cold_address) as held:  # every local port to cold taken
+                response = client.post("/v1/chat/completions", json=chat())
+                # A port to another address is still free: the gateway can be asked.
+                cold_state = next(b for b in gw.state()["backends"] if b["name"] == "cold")
             after = client.post("/v1/chat/completions", json=chat())
             print(json.dumps({
-                "held": len(holders),
+                "held": held,
                 "status": response.status_code,
                 "error": response.json().get("error"),
                 "retry_after": response.headers.get("retry-after"),
@@ -90,7 +75,6 @@ _NO_LOCAL_PORT_LEFT = textwrap.dedent(
                 "output": gw.proc.output(),
             }))
         finally:
-            RANGE.write_text(wide)
             client.close()
             gw.proc.stop()
             warm.stop()
@@ -138,27 +122,14 @@ def _own_mounts() -> bool:
 _EVERY_ADDRESS_WITHOUT_A_PORT = textwrap.dedent(
     """
     import asyncio, json, socket
-    from pathlib import Path
     from gateway.upstream import UpstreamTransport
-
-    RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    from tests.port_range import NARROW, RANGE, use_up
 
     def listen(family, host, port):
         sock = socket.socket(family)
         sock.bind((host, port))
         sock.listen(64)
         return sock
-
-    def use_up(family, address, held):
-        while True:
-            sock = socket.socket(family)
-            try:
-                sock.connect(address)
-            except OSError as exc:
-                sock.close()
-                assert exc.errno == 99, exc  # EADDRNOTAVAIL
-                return
-            held.append(sock)
 
     async def main():
         both, v6_only = 5000, 5001  # a namespace of their own: both free
@@ -167,11 +138,11 @@ _EVERY_ADDRESS_WITHOUT_A_PORT = textwrap.dedent(
             listen(socket.AF_INET6, "::1", both),
             listen(socket.AF_INET6, "::1", v6_only),
         ]
-        RANGE.write_text("40000 40001")
+        RANGE.write_text(NARROW)  # the namespace ends with the scenario: not restored
         held = []
-        use_up(socket.AF_INET, ("127.0.0.1", both), held)
-        use_up(socket.AF_INET6, ("::1", both), held)
-        use_up(socket.AF_INET6, ("::1", v6_only), held)  # 127.0.0.1 refuses on this one
+        use_up(("127.0.0.1", both), held)
+        use_up(("::1", both), held, socket.AF_INET6)
+        use_up(("::1", v6_only), held, socket.AF_INET6)  # 127.0.0.1 refuses on this one
         results = {}
         for scheme in ("http", "https"):
             for port in (both, v6_only):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import resource
-import socket
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import port_range
 from tests.procs import Gateway, Proc, start_gateway, start_raw_sse, wait_until
 from tests.raw_sse_backend import MODEL
 from tests.test_gauges_truth import value_in
@@ -65,33 +65,12 @@ def no_descriptor_left(gw: Gateway, _: Proc) -> Iterator[None]:
         resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
 
 
-RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-
-
 @contextmanager
 def no_local_port_to(_: Gateway, target: Proc) -> Iterator[None]:
     """Every local port to ``target`` taken (only in a network namespace of one's own):
     a port to any other address is still free."""
-    wide = RANGE.read_text()
-    holders: list[socket.socket] = []
-    RANGE.write_text("40000 40001")
-    try:
-        address = ("127.0.0.1", int(target.url.rsplit(":", 1)[1]))
-        while True:
-            sock = socket.socket()
-            try:
-                sock.connect(address)
-            except OSError as exc:
-                sock.close()
-                assert exc.errno == 99, exc  # EADDRNOTAVAIL: the range is used up
-                break
-            holders.append(sock)
-        assert holders  # used up by the holders, not before them
+    with port_range.no_local_port_to(("127.0.0.1", int(target.url.rsplit(":", 1)[1]))):
         yield
-    finally:
-        for sock in holders:
-            sock.close()
-        RANGE.write_text(wide)
 
 
 def counters(client: httpx.Client) -> dict[str, float]:
