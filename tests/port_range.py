@@ -5,6 +5,7 @@ namespace of one's own, whose port range is its own."""
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,3 +44,10 @@ def no_local_port_to(address: tuple[str, int]) -> Iterator[int]:
         for sock in held:
             sock.close()
         RANGE.write_text(wide)
+
+
+def in_own_network_namespace(script: str, *args: str) -> list[str]:
+    """The command that runs Python ``script`` (with ``args``) in a network namespace of
+    its own, its loopback up."""
+    command = 'ip link set lo up && exec "$0" -c "$@"'
+    return ["unshare", "-n", "sh", "-c", command, sys.executable, script, *args]

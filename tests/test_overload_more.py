@@ -24,6 +24,7 @@ import pytest
 
 from gateway.overload import ThrottledWarning
 from gateway.upstream import UpstreamTransport
+from tests.port_range import in_own_network_namespace
 from tests.procs import backend, start_gateway, wait_until
 from tests.test_ops_robustness import counts, start_ops_backend
 from tests.test_proxy_front_fixes import _RefusingTls, run_scenario
@@ -88,16 +89,7 @@ _NO_LOCAL_PORT_LEFT = textwrap.dedent(
 @pytest.mark.skipif(not _own_network_namespace(), reason="needs `unshare -n` and `ip`")
 def test_no_local_port_left_is_the_gateways_503_not_the_backends_failure(tmp_path: Path) -> None:
     result, _ = run_scenario(
-        [
-            "unshare",
-            "-n",
-            "sh",
-            "-c",
-            'ip link set lo up && exec "$0" -c "$1" "$2"',
-            sys.executable,
-            _NO_LOCAL_PORT_LEFT,
-            str(tmp_path),
-        ],
+        in_own_network_namespace(_NO_LOCAL_PORT_LEFT, str(tmp_path)),
         timeout=120,
     )
     assert result["held"] >= 1  # the range was used up by the holders, not before them

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import resource
-import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -28,6 +27,7 @@ import httpx
 import pytest
 
 from tests import port_range
+from tests.port_range import in_own_network_namespace
 from tests.procs import Gateway, Proc, start_gateway, start_raw_sse, wait_until
 from tests.raw_sse_backend import MODEL
 from tests.test_gauges_truth import value_in
@@ -231,16 +231,7 @@ def test_a_refused_connection_then_no_local_port_for_the_retry_is_counted_once(
 ) -> None:
     """A refuses the connection; the retry to B finds no local port left to it."""
     facts, _ = run_scenario(
-        [
-            "unshare",
-            "-n",
-            "sh",
-            "-c",
-            'ip link set lo up && exec "$0" -c "$1" "$2"',
-            sys.executable,
-            _IN_OWN_NAMESPACE,
-            str(tmp_path),
-        ],
+        in_own_network_namespace(_IN_OWN_NAMESPACE, str(tmp_path)),
         timeout=120,
     )
     assert "Cannot assign requested address" in facts["body"]["error"]["message"]
