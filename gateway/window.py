@@ -16,7 +16,7 @@ timed out, the backend failed) has no TTFT, only a bound: more than its time sin
 admission. Dropping it left only the survivors, and the p95 looked best exactly when
 a backend past its knee made clients give up. Such right-censored TTFTs are kept
 too; while the window holds any, its percentiles are Kaplan-Meier estimates (see
-:func:`censored_percentiles`), and the plain nearest-rank ones otherwise.
+:func:`kaplan_meier`), and the plain nearest-rank ones otherwise.
 """
 
 from __future__ import annotations
@@ -45,13 +45,6 @@ _KM_SLACK = 1e-9
 class Estimate(NamedTuple):
     value: float | None
     bound: bool  # only a lower bound: too many were censored above every observed value
-
-
-def censored_percentiles(
-    observed: Sequence[float], censored: Sequence[float], qs: Sequence[float]
-) -> list[float | None]:
-    """The values of :func:`kaplan_meier`."""
-    return [estimate.value for estimate in kaplan_meier(observed, censored, qs)]
 
 
 def kaplan_meier(

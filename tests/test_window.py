@@ -7,7 +7,14 @@ from fractions import Fraction
 
 import pytest
 
-from gateway.window import RollingWindow, censored_percentiles, kaplan_meier, percentile
+from gateway.window import RollingWindow, kaplan_meier, percentile
+
+
+def censored_percentiles(
+    observed: list[float], censored: list[float], qs: tuple[float, ...]
+) -> list[float | None]:
+    """The estimates' values."""
+    return [estimate.value for estimate in kaplan_meier(observed, censored, qs)]
 
 
 def test_nearest_rank_percentile() -> None:
