@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from gateway.perf.routers import parse_router
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,3 +126,61 @@ def test_interleave_runs_the_old_side_on_the_interpreter_given(tmp_path: Path) -
     (invocation,) = mark.read_text().splitlines()  # one gateway: the old side's
     assert invocation.startswith("-m gateway.cli serve --config ")
     assert "old.yaml" in invocation
+
+
+def test_another_router_runs_the_same_load_beside_the_gateway(tmp_path: Path) -> None:
+    """``--router``: the bench's own bare TCP forwarder, started as any router would be,
+    takes the same load as the gateway in each scenario and gets rows of its own."""
+    out = tmp_path / "relay.json"
+    relay = f"{sys.executable} -m gateway.perf.tcp_relay"
+    hop = relay + " --port {port} --upstream-port {backend_port}"
+    command = ["gateway.perf.relay_bench", "--quick", "--no-pin", "--duration", "0.3"]
+    for scenario in ("nonstream", "stream", "paced", "idle"):
+        command += ["--scenario", scenario]
+    command += ["--router", f"hop={hop}", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    rows = {(row["scenario"][:3], row["figure"]): row for row in report["rows"]}
+    for key in (
+        ("(a)", "req/s via hop"),
+        ("(b)", "relayed chunks/s via hop"),
+        ("(c)", "TTFT p50 ms via hop"),
+        ("(c)", "ITL p99 ms via hop"),
+        ("(d)", "RSS MB at start, hop"),
+    ):
+        assert key in rows, sorted(rows)
+        assert math.isfinite(rows[key]["gateway"]) and rows[key]["gateway"] > 0, key
+    for name in ("nonstream", "stream", "paced"):
+        phase = report["phases"][name]["hop"]
+        assert phase["errors"] == 0 and phase["requests"] > 0, name
+        assert "hop" in phase["cpu_percent"], phase["cpu_percent"]
+    assert "via hop" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("spec", "complaint"),
+    [
+        ("no-command", "expected NAME=COMMAND"),
+        ("x=", "expected NAME=COMMAND"),
+        ("gateway=relay --port {port}", "router name 'gateway'"),
+        ("a b=relay --port {port}", "router name 'a b'"),
+        ("r=relay --listen 8000", "must listen on {port}"),
+        ("r=relay --port {port} --to {upstream}", "bad placeholder 'upstream'"),
+        ("r=relay --port {port} '", "No closing quotation"),
+    ],
+)
+def test_a_router_spec_that_cannot_run_is_refused_before_anything_starts(
+    spec: str, complaint: str
+) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(complaint)):
+        parse_router(spec)
+
+
+def test_a_router_command_gets_its_ports_and_backend_filled_in() -> None:
+    spec = parse_router("r=relay -p {port} --to {backend} --up {backend_port} -m {metrics_port}")
+    filled = spec.filled(port=9001, backend="http://127.0.0.1:9002", metrics_port=9003)
+    backend = "http://127.0.0.1:9002"
+    assert filled == ["relay", "-p", "9001", "--to", backend, "--up", "9002", "-m", "9003"]

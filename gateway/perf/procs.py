@@ -85,9 +85,22 @@ def start(
     realtime: bool = False,
 ) -> Proc:
     """Start ``python -m args...`` and wait (bounded) until ``url + ready_path`` answers 200."""
+    return start_command(name, [sys.executable, "-m", *args], url, ready_path, log, core, realtime)
+
+
+def start_command(
+    name: str,
+    command: list[str],
+    url: str,
+    ready_path: str,
+    log: Path,
+    core: int | None,
+    realtime: bool = False,
+) -> Proc:
+    """Start ``command`` and wait (bounded) until ``url + ready_path`` answers 200."""
     handle = log.open("wb")
     process = subprocess.Popen(
-        pinned([sys.executable, "-m", *args], core, realtime),
+        pinned(command, core, realtime),
         stdout=handle,
         stderr=subprocess.STDOUT,
         cwd=Path(__file__).resolve().parents[2],

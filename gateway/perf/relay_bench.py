@@ -31,6 +31,7 @@ import yaml
 from gateway.perf import loadgen, procs
 from gateway.perf.backend import MODEL
 from gateway.perf.backend import run as run_loop
+from gateway.perf.routers import parse_router, start_router
 
 SCENARIOS = ("nonstream", "stream", "paced", "idle", "hold")
 HOST = "127.0.0.1"
@@ -109,10 +110,14 @@ class Stack:
     backend: procs.Proc
     gateway: procs.Proc
     floor: procs.Proc  # a bare TCP forwarder on the gateway's core: what any hop costs
+    routers: dict[str, procs.Proc] = field(default_factory=dict)  # --router, by name
+
+    def proc(self, target: str) -> procs.Proc:
+        own = {"direct": self.backend, "floor": self.floor, "gateway": self.gateway}
+        return own[target] if target in own else self.routers[target]
 
     def port(self, target: str) -> int:
-        proc = {"direct": self.backend, "floor": self.floor, "gateway": self.gateway}[target]
-        return int(proc.url.rsplit(":", 1)[1])
+        return int(self.proc(target).url.rsplit(":", 1)[1])
 
 
 async def _phase(
@@ -130,6 +135,8 @@ async def _phase(
     watched = {"gateway": stack.gateway, "backend": stack.backend}
     if target == "floor":
         watched["tcp-relay"] = stack.floor
+    elif target in stack.routers:
+        watched[target] = stack.routers[target]
     start = time.perf_counter()
     t0, t1 = start + warmup, start + warmup + duration
     cpu: dict[str, float] = {}
@@ -188,6 +195,15 @@ def _floor(stack: Stack, name: str, report: Report, **kwargs: Any) -> dict:
     return floor
 
 
+def _through_routers(stack: Stack, name: str, report: Report, **kwargs: Any) -> dict[str, dict]:
+    """The same load through each ``--router``, after the gateway's phase."""
+    phases = {}
+    for router in stack.routers:
+        phases[router] = run_loop(_phase(stack, router, **kwargs))
+        report.phases[name][router] = phases[router]
+    return phases
+
+
 def _ratio(direct: float, gateway: float) -> str:
     return f"{gateway / direct:.2f}x" if direct else "-"
 
@@ -197,15 +213,13 @@ def _added(direct: float | None, gateway: float | None) -> float | None:
 
 
 def run_nonstream(stack: Stack, plan: Plan, report: Report) -> None:
-    direct, through = _both(
-        stack,
-        "nonstream",
-        report,
-        request_body=body(max_tokens=1),
-        clients=plan.nonstream_clients,
-        warmup=plan.warmup,
-        duration=plan.duration,
-    )
+    load: dict[str, Any] = {
+        "request_body": body(max_tokens=1),
+        "clients": plan.nonstream_clients,
+        "warmup": plan.warmup,
+        "duration": plan.duration,
+    }
+    direct, through = _both(stack, "nonstream", report, **load)
     label = f"(a) non-streaming, {plan.nonstream_clients} clients"
     d, g = direct["req_per_s"], through["req_per_s"]
     report.rows.append(Row(label, "req/s", d, g, _ratio(d, g), ">= 3,000", g >= 3000))
@@ -213,33 +227,44 @@ def run_nonstream(stack: Stack, plan: Plan, report: Report) -> None:
     d, g = direct["latency_p50_ms"], through["latency_p50_ms"]
     if d is not None and g is not None:
         report.rows.append(Row(label, "latency p50 ms", d, g, f"+{g - d:.2f} ms", "", None))
+    for router, phase in _through_routers(stack, "nonstream", report, **load).items():
+        d, r = direct["req_per_s"], phase["req_per_s"]
+        report.rows.append(Row(label, f"req/s via {router}", d, r, _ratio(d, r), "", None))
+        report.rows.append(_per_core(label, f"req/s per {router} CPU-second", r, phase, router))
 
 
 def run_stream(stack: Stack, plan: Plan, report: Report) -> None:
-    direct, through = _both(
-        stack,
-        "stream",
-        report,
-        request_body=body(max_tokens=plan.stream_tokens, stream=True),
-        clients=plan.stream_clients,
-        warmup=plan.warmup,
-        duration=plan.duration,
-    )
+    load: dict[str, Any] = {
+        "request_body": body(max_tokens=plan.stream_tokens, stream=True),
+        "clients": plan.stream_clients,
+        "warmup": plan.warmup,
+        "duration": plan.duration,
+    }
+    direct, through = _both(stack, "stream", report, **load)
     label = f"(b) streaming {plan.stream_tokens} tokens, {plan.stream_clients} clients"
     d, g = direct["events_per_s"], through["events_per_s"]
     report.rows.append(Row(label, "relayed chunks/s", d, g, _ratio(d, g), ">= 40,000", g >= 40000))
     report.rows.append(_per_core(label, "chunks/s per gateway CPU-second", g, through))
     d, g = direct["req_per_s"], through["req_per_s"]
     report.rows.append(Row(label, "streams/s", d, g, _ratio(d, g), "", None))
+    for router, phase in _through_routers(stack, "stream", report, **load).items():
+        d, r = direct["events_per_s"], phase["events_per_s"]
+        figure = f"relayed chunks/s via {router}"
+        report.rows.append(Row(label, figure, d, r, _ratio(d, r), "", None))
+        figure = f"chunks/s per {router} CPU-second"
+        report.rows.append(_per_core(label, figure, r, phase, router))
 
 
-def _per_core(label: str, figure: str, rate: float, phase: dict[str, Any]) -> Row:
-    """The rate divided by the share of its core the gateway got: what one core sustains.
+def _per_core(
+    label: str, figure: str, rate: float, phase: dict[str, Any], relay: str = "gateway"
+) -> Row:
+    """The rate divided by the share of its core the relay (the gateway, or a router) got:
+    what one core sustains.
 
     Other processes on the gateway's core take CPU the gateway would have used;
     dividing by the gateway's own CPU share makes runs on a busy machine comparable.
     """
-    share = phase["cpu_percent"].get("gateway", 0.0) / 100
+    share = phase["cpu_percent"].get(relay, 0.0) / 100
     return Row(label, figure, None, rate / share if share else 0.0, f"at {share:.0%} CPU", "", None)
 
 
@@ -260,6 +285,7 @@ def run_paced(stack: Stack, plan: Plan, report: Report) -> None:
     direct, through = _both(stack, "paced", report, **load)
     presend = _presend(stack)
     floor = _floor(stack, "paced", report, **load)
+    routed = _through_routers(stack, "paced", report, **load)
     label = (
         f"(c) paced TTFT {plan.paced_ttft_ms:g} ms ITL {plan.paced_itl_ms:g} ms "
         f"{plan.paced_tokens} tokens, {plan.paced_clients} clients"
@@ -279,15 +305,26 @@ def run_paced(stack: Stack, plan: Plan, report: Report) -> None:
         report.rows.append(Row(label, figure, d, g, f"{added:+.2f} ms", target, met))
         hop = _added(d, floor[key])
         if limit is not None and hop is not None:
-            figure = f"{figure} via bare TCP hop"
-            report.rows.append(Row(label, figure, d, floor[key], f"{hop:+.2f} ms", "", None))
+            hop_figure = f"{figure} via bare TCP hop"
+            report.rows.append(Row(label, hop_figure, d, floor[key], f"{hop:+.2f} ms", "", None))
+        for router, phase in routed.items():
+            added = _added(d, phase[key])
+            if limit is not None and added is not None:
+                via = f"{figure} via {router}"
+                report.rows.append(Row(label, via, d, phase[key], f"{added:+.2f} ms", "", None))
     if presend is not None:
         p50, p90 = presend
         figure = "receipt to upstream write p50 ms, gateway's own clock"
         report.rows.append(Row(label, figure, None, p50, f"p90 {p90:.2f}", "", None))
 
 
-def run_idle(stack: Stack, plan: Plan, report: Report, idle_at_start: float) -> None:
+def run_idle(
+    stack: Stack,
+    plan: Plan,
+    report: Report,
+    idle_at_start: float,
+    routers_idle: dict[str, float],
+) -> None:
     del plan
     label = "(d) idle gateway"
     report.rows.append(
@@ -295,6 +332,8 @@ def run_idle(stack: Stack, plan: Plan, report: Report, idle_at_start: float) -> 
     )
     now = stack.gateway.rss_mb()
     report.rows.append(Row(label, "RSS MB now (after load)", None, now, "", "", None))
+    for router, rss in routers_idle.items():
+        report.rows.append(Row(label, f"RSS MB at start, {router}", None, rss, "", "", None))
 
 
 async def _hold(stack: Stack, plan: Plan) -> dict[str, Any]:
@@ -424,6 +463,7 @@ def run(args: argparse.Namespace) -> Report:
             args.realtime,
         )
         gateway = floor = None
+        routers: dict[str, procs.Proc] = {}
         try:
             floor_port = procs.free_port()
             relay_args = ["--port", str(floor_port), "--upstream-port", str(backend_port)]
@@ -448,7 +488,11 @@ def run(args: argparse.Namespace) -> Report:
                 args.realtime,
             )
             idle_at_start = gateway.rss_mb()
-            stack = Stack(backend, gateway, floor)
+            for spec in args.router or ():
+                core = args.gateway_core if pin else None
+                routers[spec.name] = start_router(spec, backend.url, workdir, core, args.realtime)
+            routers_idle = {name: proc.rss_mb() for name, proc in routers.items()}
+            stack = Stack(backend, gateway, floor, routers)
             for name in scenarios:
                 if name == "nonstream":
                     run_nonstream(stack, plan, report)
@@ -457,7 +501,7 @@ def run(args: argparse.Namespace) -> Report:
                 elif name == "paced":
                     run_paced(stack, plan, report)
                 elif name == "idle":
-                    run_idle(stack, plan, report, idle_at_start)
+                    run_idle(stack, plan, report, idle_at_start, routers_idle)
                 elif name == "hold":
                     run_hold(stack, plan, report)
             report.phases["measured_by_gateway"] = _measured_by_gateway(stack)
@@ -470,7 +514,7 @@ def run(args: argparse.Namespace) -> Report:
                 "python": sys.version.split()[0],
             }
         finally:
-            for proc in (gateway, floor):
+            for proc in (gateway, floor, *routers.values()):
                 if proc is not None:
                     proc.stop()
             backend.stop()
@@ -496,8 +540,8 @@ def render(report: Report) -> str:
     out.append("")
     out.append("CPU % in each counted window (gateway alone on its core, backend + load on one):")
     for name, phase in report.phases.items():
-        for target in ("direct", "floor", "gateway"):
-            cpu = phase.get(target, {}).get("cpu_percent") if isinstance(phase, dict) else None
+        for target in phase if isinstance(phase, dict) else ():
+            cpu = phase[target].get("cpu_percent") if isinstance(phase[target], dict) else None
             if cpu:
                 shares = "  ".join(f"{k} {v:5.1f}" for k, v in cpu.items())
                 causes = phase[target]["error_causes"]
@@ -534,6 +578,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run gateway, backend and load SCHED_FIFO (root): on a shared machine, other "
         "processes then cannot delay them, as if each had its core to itself",
+    )
+    parser.add_argument(
+        "--router",
+        action="append",
+        type=parse_router,
+        metavar="NAME=COMMAND",
+        help="also run the load through another router, started by COMMAND with {port}, "
+        "{backend} and {metrics_port} filled in, pinned as the gateway is (repeatable; "
+        "not with the hold scenario's 2,000 streams)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny loads: a smoke test only")
     parser.add_argument("--json", type=Path, help="also write every figure as JSON here")
