@@ -159,7 +159,8 @@ class BackendProtocol(asyncio.Protocol):
             self.transport.write(NOT_FOUND)
             return
         payload: dict[str, Any] = json.loads(body)
-        tokens = int(payload.get("max_tokens") or 16)
+        # A router may pass the limit on under its newer name (sglang-router does).
+        tokens = int(payload.get("max_tokens") or payload.get("max_completion_tokens") or 16)
         if not payload.get("stream"):
             self.transport.write(_response("200 OK", completion_body(tokens)))
             return
