@@ -304,6 +304,10 @@ class Runtime:
         if unknown_sims:
             message = "simulated backends can only be added at startup: " + ", ".join(unknown_sims)
             return ReloadResult(False, message)
+        # Everything read from the settings alone comes before the swap: a check that
+        # raised after it would leave the new config live yet reported as failed.
+        warnings = config_warnings(settings)
+        unapplied = _needing_a_restart(self._at_startup or settings, settings)
         held = [*self.retired, *self.current.backends.replicas]
         self.current = Snapshot.build(settings, self._keepable(settings, held), self.sim_urls)
         live = set(map(id, self.current.backends.replicas))
@@ -316,9 +320,8 @@ class Runtime:
         self.on_reload()
         names = ", ".join(r.name for r in self.current.backends.replicas)
         message = f"config applied: {len(self.current.backends.replicas)} backends ({names})"
-        for warning in config_warnings(settings):
+        for warning in warnings:
             log.warning("config reload: %s", warning)
-        unapplied = _needing_a_restart(self._at_startup or settings, settings)
         if unapplied:
             log.warning("config reload: %s take effect only at a restart", ", ".join(unapplied))
             message += f"; not applied until a restart: {', '.join(unapplied)}"

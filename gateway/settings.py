@@ -13,8 +13,17 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
@@ -133,6 +142,13 @@ class BackendConfig(Frozen):
             )
         return self
 
+    @field_validator("url")
+    @classmethod
+    def _valid_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            _check_url(url)
+        return url
+
     @model_validator(mode="after")
     def _url_or_sim(self) -> BackendConfig:
         if self.url is None and self.sim is None:
@@ -147,8 +163,6 @@ class BackendConfig(Frozen):
                 f"api_key_env names {self.api_key_env}, which is unset or empty "
                 "(the backend would be called without its key)"
             )
-        if self.url is not None and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
         return self
 
     def resolved_api_key(self) -> str | None:
@@ -157,6 +171,20 @@ class BackendConfig(Frozen):
         if self.api_key_env:
             return os.environ.get(self.api_key_env)
         return None
+
+
+def _check_url(url: str) -> None:
+    """Refused here, with the key's path, rather than found by whatever reads the URL
+    first (a reload's checks, a connection) after the config was taken."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"url must start with http:// or https://, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  # raises on a port out of range or not a number
+    except ValueError as exc:
+        raise ValueError(f"url {url!r} is not a valid URL: {exc}") from None
+    if not parts.hostname:
+        raise ValueError(f"url {url!r} names no host")
 
 
 class PoolConfig(Frozen):

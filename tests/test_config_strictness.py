@@ -49,6 +49,27 @@ def test_a_backend_key_from_an_unset_variable_is_refused(monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize(
+    "url, words",
+    [
+        ("ftp://h:21", "must start with http:// or https://"),
+        ("http://h:80000", "is not a valid URL"),
+        ("http://h:8000x", "is not a valid URL"),
+        ("http://[::1", "is not a valid URL"),
+        ("http://:8000", "names no host"),
+    ],
+)
+def test_a_backend_url_nothing_could_connect_to_is_refused_at_its_key(url: str, words: str) -> None:
+    message = refusal({"backends": [backend("a", url)]})
+    assert "backends.0.url" in message and words in message, message
+
+
+def test_backend_urls_of_every_legal_form_are_taken() -> None:
+    urls = ["http://[::1]:8000", "https://h.example", "http://10.0.0.1:8000/", "http://h:1"]
+    config = {"backends": [backend(f"b{i}", url) for i, url in enumerate(urls)]}
+    assert [b.url for b in build_settings(config).backends] == urls
+
+
+@pytest.mark.parametrize(
     "extra, words",
     [
         ({"sim": {"ttft_ms": 1}}, "`url` or `sim`"),

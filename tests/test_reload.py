@@ -88,6 +88,28 @@ def test_invalid_reload_keeps_the_old_config(tmp_path: Path) -> None:
         sim.stop()
 
 
+def test_a_reload_naming_a_port_no_url_can_have_is_refused_whole(tmp_path: Path) -> None:
+    """``http://host:80000`` passed the check for a scheme, then raised in the reload's
+    checks after the new config had been swapped in: a 500, the bad config live, the
+    reload counted neither way."""
+    sim = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    gw = start_gateway(tmp_path, {"backends": [backend("a", sim.url)]})
+    try:
+        for url in ("http://127.0.0.1:80000", "http://127.0.0.1:8000x", "http://[::1"):
+            gw.write_config({**gw.config, "backends": [backend("b", url)]})
+            response = httpx.post(gw.url + "/admin/reload", timeout=5)
+            assert response.status_code == 400, response.text
+            assert "backends.0.url" in response.json()["message"]
+        assert [b["name"] for b in gw.state()["backends"]] == ["a"]
+        ok = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=10)
+        assert ok.status_code == 200
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'kneecap_config_reloads_total{result="error"} 3.0' in metrics
+    finally:
+        gw.proc.stop()
+        sim.stop()
+
+
 def test_a_reload_says_which_changes_wait_for_a_restart(tmp_path: Path) -> None:
     """The listening address is read at startup: a reload that moves it applies the rest
     and says the address waits (before: "config applied", nothing logged, nothing bound).
