@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from backends.sim import wire
 from backends.sim.base import AsyncEngine, GenerationRequest, TokenEvent, TokenIterator
+from backends.sim.extras import choice_logprobs
 from backends.sim.validate import Asked
 
 
@@ -113,15 +114,26 @@ async def stream(
 ) -> bytes:
     """Send each chunk as its token comes; returns the bytes left to send last (the
     final choice's finishing chunk, the usage chunk, ``[DONE]``), for one write."""
-    chunks = [wire.TokenChunks(ident, model, chat, index) for index in range(len(seeds))]
+    extras = asked.extras
+    chunks = [
+        wire.TokenChunks(
+            ident,
+            model,
+            chat,
+            index,
+            extras,
+            _prompt_of(asked, index),
+            extras.echoed(index, asked.n),
+        )
+        for index in range(len(seeds))
+    ]
     pending = len(seeds)
     completion = 0
     last = b""
     try:
         if chat:  # vLLM's role chunks: one per choice, before any content
             for index in range(asked.n):
-                role = {"role": "assistant", "content": ""}
-                await send(wire.chat_chunk(ident, model, role, None, index))
+                await send(chunks[index].role())
         async for choice, event in merged:
             completion += 1
             chunk = chunks[choice].token(seeds[choice], event.index, event.finish_reason)
@@ -151,6 +163,22 @@ async def complete(
             finishes[choice] = event.finish_reason
     finally:
         await merged.aclose()  # the client may have gone: free every sequence
-    answers = [("".join(parts), finish) for parts, finish in zip(texts, finishes, strict=True)]
+    extras = asked.extras
+    echoes = [extras.echoed(choice, asked.n) for choice in range(len(seeds))]
+    answers = [
+        (echo + "".join(parts), finish)
+        for echo, parts, finish in zip(echoes, texts, finishes, strict=True)
+    ]
     usage = wire.usage(prompt_tokens(asked), sum(len(parts) for parts in texts))
-    return wire.full_responses(ident, model, chat, answers, usage)
+    logprobs = None
+    if extras.logprobs is not None:
+        logprobs = [
+            choice_logprobs(chat, seed, range(len(parts)), extras.logprobs, 0, echo)
+            for seed, parts, echo in zip(seeds, texts, echoes, strict=True)
+        ]
+    return wire.full_responses(ident, model, chat, answers, usage, logprobs)
+
+
+def _prompt_of(asked: Asked, choice: int) -> int:
+    """The prompt tokens of the prompt choice ``choice`` answers."""
+    return asked.prompts[choice // asked.n][0] if asked.prompts else asked.prompt_tokens

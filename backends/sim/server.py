@@ -10,28 +10,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hashlib
 import itertools
 import json
-import struct
+import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from backends.sim import embeddings as embedding
 from backends.sim import multi, prompt_list, validate, wire
 from backends.sim.arrival import arrival_of
 from backends.sim.base import AsyncEngine, GenerationRequest, TokenIterator
+from backends.sim.extras import Extras, choice_logprobs
 from backends.sim.request_fields import Unreadable, validation_error
 from backends.sim.tokenizer import count_chat_tokens, count_text_tokens
 
-EMBEDDING_DIM = 16
 _T = TypeVar("_T")
+VLLM_VERSION = "0.32.0"  # the server whose answers the simulator's are
 
 
 def _error(
@@ -51,7 +54,7 @@ def _prompt_tokens(payload: dict[str, Any]) -> int:
     a list as ``/v1/completions`` reads it, each prompt once, and the gateway's backend
     estimator counts a batch so."""
     if "messages" in payload:
-        return count_chat_tokens(payload["messages"])
+        return count_chat_tokens(payload["messages"], payload.get("tools"))
     prompt = payload.get("prompt", "")
     if isinstance(prompt, list):
         return sum(validate.tokens_of(p) for p in prompt_list.prompts(prompt))
@@ -110,10 +113,10 @@ class _Completions:
             return payload
         try:
             asked = validate.read(payload, chat, self._engine.max_model_len)
-        except validate.EmptyPrompt as empty:
-            if not empty.stream:
-                return _error(empty.message, 400)
-            error = wire.stream_error(empty.message, empty.error_type, 400, empty.param)
+        except validate.EngineRefusal as refusal:
+            if not refusal.stream:
+                return _error(refusal.message, 400, refusal.error_type, refusal.param)
+            error = wire.stream_error(refusal.message, refusal.error_type, 400, refusal.param)
             return StreamingResponse(iter((error,)), media_type="text/event-stream")
         except validate.BadRequest as bad:
             return _error(bad.message, 400, bad.error_type, bad.param)
@@ -142,6 +145,7 @@ class _Completions:
             chat,
             stream=asked.stream,
             include_usage=asked.include_usage,
+            extras=asked.extras,
         )
 
     async def _stream(self, run: _Generation, receive: Receive, send: Send) -> None:
@@ -154,10 +158,16 @@ class _Completions:
         async with asyncio.TaskGroup() as group:
             watcher = group.create_task(_cancel_on_disconnect(receive, streaming, left))
             try:
+                chunks = wire.TokenChunks(
+                    run.ident,
+                    model,
+                    run.chat,
+                    extras=run.extras,
+                    prompt_tokens=run.gen.prompt_tokens,
+                    echo=run.extras.echoed(0, 1),
+                )
                 if run.chat:
-                    role = {"role": "assistant", "content": ""}
-                    await send(_more(wire.chat_chunk(run.ident, model, role, None)))
-                chunks = wire.TokenChunks(run.ident, model, run.chat)
+                    await send(_more(chunks.role()))
                 seed = run.gen.seed
                 completion = 0
                 last = b""  # the finishing chunk goes out with the usage chunk and [DONE]
@@ -236,7 +246,15 @@ class _Completions:
         finally:
             await run.tokens.aclose()  # the client may have gone: free the sequence
         usage = wire.usage(run.gen.prompt_tokens, len(parts))
-        body = wire.full_response(run.ident, self._model, run.chat, "".join(parts), finish, usage)
+        echo = run.extras.echoed(0, 1)
+        text = echo + "".join(parts)
+        logprobs = None
+        if run.extras.logprobs is not None:
+            tokens = range(len(parts))
+            top = run.extras.logprobs
+            logprobs = [choice_logprobs(run.chat, run.gen.seed, tokens, top, 0, echo)]
+        answers = [(text, finish)]
+        body = wire.full_responses(run.ident, self._model, run.chat, answers, usage, logprobs)
         return Response(body, media_type="application/json")
 
 
@@ -259,6 +277,7 @@ class _Generation:
     chat: bool
     stream: bool
     include_usage: bool
+    extras: Extras
 
 
 # StreamingResponse(media_type="text/event-stream")'s headers, as vLLM's server sends them.
@@ -299,7 +318,8 @@ def _payload(body: bytes, model: str) -> dict[str, Any] | Response:
         return _error("Invalid JSON body", 400)
     if not isinstance(payload, dict):
         return _error("Body must be a JSON object", 400)
-    if payload.get("model") != model:
+    # vLLM serves its one model to a request that names none (or names it empty).
+    if payload.get("model") and payload["model"] != model:
         return _error(
             f"The model `{payload.get('model')}` does not exist.", 404, "NotFoundError", "model"
         )
@@ -337,44 +357,14 @@ def create_sim_app(engine: AsyncEngine, model: str) -> ASGIApp:
         payload = await parse(request)
         if isinstance(payload, Response):
             return payload
-        inputs = payload.get("input")
-        if not isinstance(inputs, str | list) or not inputs:
-            return _error("input: field required", 400, param="input")
-        # vLLM reads `input` as /v1/completions' `prompt`: a string or a list of token ids
-        # is one input; a list of either, one each.
-        items: list[str | list[int]] = [inputs] if isinstance(inputs, str) else []
-        if isinstance(inputs, list):
-            try:
-                items = prompt_list.prompts(inputs, "body.input")
-            except Unreadable as unreadable:
-                return _unreadable(unreadable)
-        data = []
-        total = 0
-        for index, item in enumerate(items):
-            text = item if isinstance(item, str) else json.dumps(item)
-            total += validate.tokens_of(item)
-            digest = hashlib.sha256(text.encode()).digest()
-            vector = [
-                round(v / 255.0, 6)
-                for v in struct.unpack(f"{EMBEDDING_DIM}B", digest[:EMBEDDING_DIM])
-            ]
-            data.append({"object": "embedding", "embedding": vector, "index": index})
-        body = {
-            "object": "list",
-            "data": data,
-            "model": model,
-            "usage": {"prompt_tokens": total, "total_tokens": total},
-        }
-        return Response(wire.dumps(body), media_type="application/json")
+        try:
+            body = embedding.answer(payload, model, max_model_len)
+        except validate.BadRequest as bad:
+            return _error(bad.message, 400, bad.error_type, bad.param)
+        return Response(body, media_type="application/json")
 
     async def tokenize(request: Request) -> Response:
-        body = await request.body()
-        try:  # `model` is optional here in vLLM: the served one
-            if isinstance(loaded := json.loads(body), dict) and "model" not in loaded:
-                body = json.dumps({**loaded, "model": model}).encode()
-        except ValueError:
-            pass  # _payload answers it
-        payload = _payload(body, model)
+        payload = await parse(request)
         if isinstance(payload, Response):
             return payload
         try:
@@ -388,14 +378,41 @@ def create_sim_app(engine: AsyncEngine, model: str) -> ASGIApp:
         )
 
     async def models(request: Request) -> Response:
+        now = int(time.time())  # vLLM stamps its cards when listed
         card = {
             "id": model,
             "object": "model",
-            "created": 0,
-            "owned_by": "kneecap-sim",
+            "created": now,
+            "owned_by": "kneecap-sim",  # vLLM's "vllm": this one says what answers
+            "root": model,
+            "parent": None,
             "max_model_len": max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{uuid.uuid4().hex}",
+                    "object": "model_permission",
+                    "created": now,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": VLLM_VERSION})
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # FastAPI's answer to a route or method vLLM does not serve.
+        assert isinstance(exc, HTTPException)
+        return JSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
 
     async def health(request: Request) -> Response:
         return Response(status_code=200)
@@ -425,7 +442,9 @@ def create_sim_app(engine: AsyncEngine, model: str) -> ASGIApp:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/version", version, methods=["GET"]),
         ],
+        exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
     )
     return _SimApp(completions, rest)

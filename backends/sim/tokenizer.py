@@ -3,11 +3,14 @@
 Deterministic and cheap, so the benchmark can build prompts of an exact token
 count and the gateway's characters-per-token estimator has a ground truth to
 converge to. Chat prompts add a fixed template overhead like a real chat
-template does.
+template does, and count what a chat template renders besides the messages' text: the
+tool definitions and each assistant message's tool calls, as their JSON (vLLM renders
+them into the prompt with the template's ``tojson``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -28,10 +31,20 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def count_chat_tokens(messages: Iterable[Mapping[str, Any]]) -> int:
-    total = CHAT_TOKENS_PER_REPLY
+def _json_tokens(value: Any) -> int:
+    """A template's ``tojson`` of ``value``: nothing when there is none."""
+    if not value:
+        return 0
+    return count_text_tokens(json.dumps(value, ensure_ascii=False))
+
+
+def count_chat_tokens(messages: Iterable[Mapping[str, Any]], tools: Any = None) -> int:
+    """Raises TypeError or AttributeError for a message that is no object, and
+    UnicodeEncodeError for a lone surrogate: the callers answer these 400."""
+    total = CHAT_TOKENS_PER_REPLY + _json_tokens(tools)
     for message in messages:
-        total += CHAT_TOKENS_PER_MESSAGE + count_text_tokens(_content_text(message.get("content")))
+        content = count_text_tokens(_content_text(message.get("content")))
+        total += CHAT_TOKENS_PER_MESSAGE + content + _json_tokens(message.get("tool_calls"))
     return total
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.sim import prompt_list
+from backends.sim.extras import PLAIN, Extras
 from backends.sim.refusal import BadRequest, refused
 from backends.sim.request_fields import (
     CHAT_FIELDS,
@@ -42,13 +43,24 @@ DEFAULT_CHAT_MAX_TOKENS = 256
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
 
 
-class EmptyPrompt(BadRequest):
-    """A prompt of a list that is empty: vLLM's engine refuses it once every other check
-    passed, and a stream has already begun by then (its answer is an error event)."""
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+VOCAB_SIZE = 151_936  # Qwen3's, the profiles' model: what a logprobs of -1 asks for
+
+
+class EngineRefusal(BadRequest):
+    """What vLLM's engine refuses when the request reaches it, after every check of the
+    server's: a stream has already begun by then (its answer is an error event)."""
+
+    def __init__(self, refusal: BadRequest, stream: bool) -> None:
+        super().__init__(refusal.message, refusal.param, refusal.error_type)
+        self.stream = stream
+
+
+class EmptyPrompt(EngineRefusal):
+    """A prompt of a list that is empty."""
 
     def __init__(self, stream: bool) -> None:
-        super().__init__("The decoder prompt cannot be empty")
-        self.stream = stream
+        super().__init__(BadRequest("The decoder prompt cannot be empty"), stream)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +74,7 @@ class Asked:
     # Every prompt's (prompt tokens, max_tokens) when a /v1/completions request sent
     # several; empty for one prompt, the path nearly every request takes.
     prompts: tuple[tuple[int, int], ...] = ()
+    extras: Extras = PLAIN  # logprobs, echo, continuous usage: what few requests ask
 
     @property
     def sequences(self) -> int:
@@ -101,12 +114,43 @@ def read(payload: dict[str, Any], chat: bool, max_model_len: int) -> Asked:
     if listed is not None:
         budgets = _listed_budgets(listed, fields, max_model_len, requested, param, default)
         prompts = tuple(budgets) if len(budgets) > 1 else ()
-        return Asked(*budgets[0], stream, usage, ignore_eos, n, prompts)
+        extras = _extras(fields, chat, [p if isinstance(p, str) else "" for p in listed])
+        return Asked(*budgets[0], stream, usage, ignore_eos, n, prompts, extras)
     prompt_tokens = _prompt_tokens(payload, chat)
     max_tokens = _output_budget(max_model_len, prompt_tokens, False, requested, param, default)
     _check_n(n)
     check_sampling(fields, max_tokens)
-    return Asked(prompt_tokens, max_tokens, stream, usage, ignore_eos, n)
+    extras = _extras(fields, chat, [] if chat else [payload["prompt"]])
+    return Asked(prompt_tokens, max_tokens, stream, usage, ignore_eos, n, extras=extras)
+
+
+def _sample_logprobs(fields: dict[str, Any], chat: bool) -> int | None:
+    """The sampling parameters' ``logprobs``, as the engine checks them when the request
+    reaches it (``SamplingParams._validate_logprobs``), before it looks at the prompt."""
+    logprobs = fields["logprobs"]
+    if chat:
+        logprobs = fields["top_logprobs"] if logprobs else None
+    if logprobs:
+        asked = VOCAB_SIZE if logprobs == -1 else logprobs
+        if asked > MAX_LOGPROBS:
+            said = f"Requested sample logprobs of {asked}, which is greater than max allowed: "
+            refusal = refused(said + str(MAX_LOGPROBS), "logprobs", asked)
+            raise EngineRefusal(refusal, bool(fields["stream"]))
+    return logprobs
+
+
+def _extras(fields: dict[str, Any], chat: bool, prompts: list[str]) -> Extras:
+    """What the request asks besides its tokens. A prompt of token ids echoes as nothing:
+    the simulator has no vocabulary to decode them with."""
+    logprobs = _sample_logprobs(fields, chat)
+    echo = tuple(prompts) if not chat and fields["echo"] else ()
+    if chat and logprobs is None and fields["logprobs"]:
+        logprobs = 0  # logprobs without top_logprobs: each token's own, no alternatives
+    options = fields["stream_options"] or {}
+    continuous = bool(options.get("include_usage") and options.get("continuous_usage_stats"))
+    if logprobs is None and not echo and not continuous:
+        return PLAIN
+    return Extras(logprobs, echo, continuous)
 
 
 def _listed_budgets(
@@ -138,6 +182,7 @@ def _listed_budgets(
     # Only max_tokens differs between the prompts' checks: each distinct one is checked.
     for max_tokens in dict.fromkeys(budget for _, budget in budgets):
         check_sampling(fields, max_tokens)
+    _sample_logprobs(fields, False)
     if any(tokens == 0 for tokens, _ in budgets):
         raise EmptyPrompt(bool(fields["stream"]))
     return budgets
@@ -234,10 +279,10 @@ def _listed_prompts(
 
 
 def _prompt_tokens(payload: dict[str, Any], chat: bool) -> int:
-    """The one prompt's length: the messages', or a string's."""
+    """The one prompt's length: the messages' (and tools'), or a string's."""
     try:
         if chat:
-            return count_chat_tokens(payload["messages"])
+            return count_chat_tokens(payload["messages"], payload.get("tools"))
         return count_text_tokens(payload["prompt"])
     except (AttributeError, TypeError, UnicodeEncodeError) as exc:
         # A message that is no object, a lone surrogate: vLLM answers these 400 too.
@@ -257,6 +302,13 @@ def _output_budget(
             param,
             requested,
         )
+    check_context(max_model_len, prompt, exact)
+    return min(max_model_len - prompt, default if requested is None else requested)
+
+
+def check_context(max_model_len: int, prompt: int, exact: bool) -> None:
+    """``TokenizeParams``' length check of a prompt. vLLM tokenizes a text at most one
+    token past the context: of a text over it, it knows only that much."""
     if prompt > max_model_len:
         shown = prompt if exact else max_model_len + 1
         qualifier = "at least " if shown == max_model_len + 1 else ""
@@ -267,4 +319,3 @@ def _output_budget(
             "input_tokens",
             shown,
         )
-    return min(max_model_len - prompt, default if requested is None else requested)
