@@ -79,7 +79,7 @@ def release_lease(
         if name == owner:  # lent: the room freed is this pool's, in its drain rate too
             admission.note_drained()
         if admission.depth():
-            admission.notify()
+            admission.notify(room=lease.backend)
 
 
 def _shed(

@@ -13,7 +13,12 @@ arriving later can never take a backend from one that waits for it, and a wake-u
 is never wasted. Requests of one pool may want different backends (another model,
 a longer context): one that says which it ``could_use`` may go ahead of waiters
 only onto a backend none of them could use, so it does not wait behind a head
-whose backends are busy while its own are idle.
+whose backends are busy while its own are idle, however many wait for those.
+Looking past a blocked head costs a ``pick()`` per waiter; a release says where the
+room is, so a dispatch after one asks only the waiters that could use that backend,
+and stops at the first blocked one that could (in a pool whose requests all want
+the same backends: the head). ``notify()``, whose room may be anywhere, asks each
+kind of waiter (an equal ``could_use``) once.
 Everything here runs on one event loop thread; all mutation is synchronous, so
 there are no await points at which the counts could tear.
 
@@ -43,10 +48,6 @@ import anyio
 from policies.priority_queue import Priority as Priority
 from policies.priority_queue import PriorityQueue
 
-# Waiters behind a blocked head whose pick() a dispatch tries: a few, for a pool that
-# mixes models or context lengths; in one that does not, each is a pick() that finds
-# nothing, paid at every release while the queue is not empty.
-_MAX_SCANNED = 4
 _RETRY_AFTER_MIN = 1.0
 # Older openai SDKs honour a Retry-After only up to 60 s; newer ones give up above 120 s.
 _RETRY_AFTER_MAX = 60.0
@@ -113,9 +114,7 @@ class Lease(Generic[T]):
 
     __slots__ = ("_on_release", "backend", "outcome", "queue_wait")
 
-    def __init__(
-        self, backend: T, queue_wait: float, on_release: Callable[[Outcome], None]
-    ) -> None:
+    def __init__(self, backend: T, queue_wait: float, on_release: Callable[[T], None]) -> None:
         self.backend = backend
         self.queue_wait = queue_wait
         self.outcome: Outcome | None = None
@@ -131,7 +130,7 @@ class Lease(Generic[T]):
             return
         self.outcome = outcome
         self.backend.in_flight -= 1
-        self._on_release(outcome)
+        self._on_release(self.backend)
 
 
 @dataclass(slots=True, eq=False)  # identity equality: the queue removes this exact waiter
@@ -163,7 +162,8 @@ class PoolAdmission(Generic[T]):
         self._max_queue_depth = max_queue_depth
         self._drain_window_s = drain_window_s
         self._releases: deque[float] = deque()  # release times within the drain window
-        self._started = clock()
+        self._spells: deque[tuple[float, float]] = deque()  # busy spells ended in the window
+        self._busy_since: float | None = None  # start of the busy spell under way
         self._next_expiry = float("inf")
         self._leased = 0
         self._closed = False
@@ -189,15 +189,14 @@ class PoolAdmission(Generic[T]):
     def retry_after(self) -> float:
         """Seconds until a request joining now would likely be served, within [1, 60].
 
-        The drain rate is measured since the pool last became busy (within the drain
-        window): time it sat idle says nothing about how fast it drains, and counted
-        as draining nothing it told the first clients of a burst to wait up to a
-        minute for a queue that emptied in seconds."""
+        The drain rate counts only the time within the drain window that the pool was
+        busy: time it sat idle says nothing about how fast it drains, and counted as
+        draining nothing it told the first clients of a burst to wait up to a minute
+        for a queue that emptied in seconds."""
         now = self._clock()
         self._forget_releases(now)
-        elapsed = min(self._drain_window_s, now - self._started)
-        # No release in the window bounds the rate by 1/elapsed: count it as one.
-        per_request = elapsed / max(1, len(self._releases))
+        # No release in the window bounds the rate by 1/busy: count it as one.
+        per_request = self._busy_time(now) / max(1, len(self._releases))
         estimate = (len(self._queue) + 1) * per_request
         return max(_RETRY_AFTER_MIN, min(_RETRY_AFTER_MAX, estimate))
 
@@ -220,7 +219,8 @@ class PoolAdmission(Generic[T]):
             raise ShuttingDown(f"pool {self.name!r} is shutting down")
         now = self._clock()
         if len(self._queue):
-            self._dispatch(now)
+            # An arrival frees nothing: only expiry and a head given room unannounced.
+            self._dispatch(now, past=False)
         if not len(self._queue):
             backend = pick()
             if backend is not None:
@@ -229,11 +229,11 @@ class PoolAdmission(Generic[T]):
             backend = pick()
             if backend is not None and not self._wanted_by_waiters(backend, self._queue):
                 return self._lease(backend, 0.0)
-        if not self._leased and not len(self._queue):
+        if self._busy_since is None:
             # No room, and none of it this pool's own: its backends are busy with requests
             # it lent them to (or a pool whose replicas left planned onto it). A busy spell
-            # starts now, not at the pool's last lease, so idle time is not read as no drain.
-            self._maybe_begin_spell(now)
+            # starts now, so the idle time before it is not read as no drain.
+            self._busy_since = now
         if len(self._queue) >= self._max_queue_depth:
             raise QueueFull(
                 f"pool {self.name!r} queue is full",
@@ -253,10 +253,15 @@ class PoolAdmission(Generic[T]):
             raise
         return self._collect(waiter)
 
-    def notify(self) -> None:
-        """Capacity may have changed: serve waiters while ``pick()`` finds room."""
+    def notify(self, room: T | None = None) -> None:
+        """Capacity may have changed: serve waiters while ``pick()`` finds room.
+
+        ``room``: the one backend that gained room (another pool's lease on it released),
+        if that is all that changed; then only the waiters that could use it are asked."""
         if not self._closed:
-            self._dispatch(self._clock())
+            now = self._clock()
+            self._dispatch(now, room=room)
+            self._end_spell_if_idle(now)
 
     def close(self) -> None:
         """Refuse new requests and wake every waiter with ShuttingDown.
@@ -268,8 +273,12 @@ class PoolAdmission(Generic[T]):
             waiter.error = ShuttingDown(f"pool {self.name!r} is shutting down")
             waiter.event.set()
         self._next_expiry = float("inf")
+        self._end_spell_if_idle(self._clock())
 
-    def _dispatch(self, now: float) -> None:
+    def _dispatch(self, now: float, *, room: T | None = None, past: bool = True) -> None:
+        """Serve heads while ``pick()`` finds room, then, ``past`` a blocked head, waiters
+        that can go ahead. ``room``: the only backend with more room than at the last
+        dispatch (a release's), when that is known."""
         if now >= self._next_expiry:
             self._expire(now)
         while (waiter := self._queue.peek()) is not None:
@@ -283,31 +292,48 @@ class PoolAdmission(Generic[T]):
             if backend is None:
                 # The head cannot be served; a later waiter may only go ahead onto what
                 # no waiter before it could use.
-                self._serve_past(waiter, now)
+                if past:
+                    self._serve_past(waiter, now, room)
                 return
             self._queue.pop()
             self._grant(waiter, backend, now)
 
-    def _serve_past(self, head: _Waiter[T], now: float) -> None:
+    def _serve_past(self, head: _Waiter[T], now: float, room: T | None) -> None:
+        """Grant waiters behind the blocked ``head`` what ``pick()`` finds them on backends
+        no blocked waiter before them could use, asking each waiter only if it may get
+        something: with ``room`` known, one that could use it, until a blocked waiter
+        could (it then keeps the rest off it); without, one unlike every blocked waiter
+        before it (whatever it got, an equal ``could_use`` before it wants)."""
         if head.could_use is None:
             return  # it may want anything: nobody goes ahead of it
+        if room is not None and head.could_use(room):
+            return
         ahead = [head]
+        blocked = {head.could_use}
         for waiter in list(self._queue):
-            if len(ahead) > _MAX_SCANNED:
-                return
             if waiter is head:
                 continue
             if waiter.could_use is None:
                 return  # it may want anything: nobody behind it goes ahead of it
+            if room is not None and not waiter.could_use(room):
+                ahead.append(waiter)  # nothing it could use gained room: still blocked
+                continue
+            if waiter.could_use in blocked:
+                continue
             try:
                 backend = waiter.pick()
             except Exception:
                 backend = None  # its refusal is served when it reaches the head
             if backend is None or self._wanted_by_waiters(backend, ahead):
+                if room is not None:
+                    return  # it could use the room: nobody behind it may take that
                 ahead.append(waiter)
+                blocked.add(waiter.could_use)
                 continue
             self._queue.remove(waiter, waiter.priority)
             self._grant(waiter, backend, now)
+            # Gone from before the rest, it no longer keeps them off what it could use.
+            room = None
 
     @staticmethod
     def _wanted_by_waiters(backend: T, waiters: Iterable[_Waiter[T]]) -> bool:
@@ -324,6 +350,7 @@ class PoolAdmission(Generic[T]):
             waiter.error = self._timeout(now - waiter.enqueued_at)
             waiter.event.set()
         self._next_expiry = min((w.deadline for w in self._queue), default=float("inf"))
+        self._end_spell_if_idle(now)
 
     def _collect(self, waiter: _Waiter[T]) -> Lease[T]:
         if waiter.backend is not None:
@@ -338,27 +365,37 @@ class PoolAdmission(Generic[T]):
         raise waiter.error
 
     def _abandon(self, waiter: _Waiter[T]) -> None:
+        now = self._clock()
         if waiter.backend is not None:
             # Granted, but the task died before it could take the lease: hand it on.
-            waiter.backend.in_flight -= 1
+            backend = waiter.backend
+            backend.in_flight -= 1
             self._leased -= 1
             waiter.backend = None
-            self._dispatch(self._clock())
+            self._dispatch(now, room=backend)
         else:
             self._queue.remove(waiter, waiter.priority)
+        self._end_spell_if_idle(now)
 
     def _take(self, backend: T) -> None:
-        if not self._leased and not len(self._queue):  # idle until now: a busy spell starts
-            self._maybe_begin_spell(self._clock())
+        if self._busy_since is None:  # idle until now: a busy spell starts
+            self._busy_since = self._clock()
         backend.in_flight += 1
         self._leased += 1
 
-    def _maybe_begin_spell(self, now: float) -> None:
-        """The drain rate is measured from here, unless the drain window still holds
-        releases: a pool idle for a moment between requests keeps its recent rate."""
-        self._forget_releases(now)
-        if not self._releases:
-            self._started = now
+    def _end_spell_if_idle(self, now: float) -> None:
+        if self._busy_since is not None and not self._leased and not len(self._queue):
+            self._spells.append((self._busy_since, now))
+            self._busy_since = None
+            self._forget_spells(now)  # a pool that never refuses must not keep them all
+
+    def _busy_time(self, now: float) -> float:
+        """Seconds within the drain window that the pool had leases out or waiters."""
+        horizon = self._forget_spells(now)
+        busy = sum(end - max(start, horizon) for start, end in self._spells)
+        if self._busy_since is not None:
+            busy += now - max(self._busy_since, horizon)
+        return busy
 
     def note_drained(self) -> None:
         """A request another pool admitted onto one of this pool's backends ended: room
@@ -366,6 +403,7 @@ class PoolAdmission(Generic[T]):
         now = self._clock()
         self._releases.append(now)
         self._forget_releases(now)
+        self._end_spell_if_idle(now)  # a spell its refusals began ends as room is freed
 
     def _lease(self, backend: T, queue_wait: float) -> Lease[T]:
         self._take(backend)
@@ -374,13 +412,19 @@ class PoolAdmission(Generic[T]):
     def _make_lease(self, backend: T, queue_wait: float) -> Lease[T]:
         return Lease(backend, queue_wait, self._released)
 
-    def _released(self, outcome: Outcome) -> None:
-        del outcome  # every outcome frees a permit alike
+    def _released(self, backend: T) -> None:
         now = self._clock()
         self._leased -= 1
         self._releases.append(now)
         self._forget_releases(now)
-        self._dispatch(now)
+        self._dispatch(now, room=backend)
+        self._end_spell_if_idle(now)
+
+    def _forget_spells(self, now: float) -> float:
+        horizon = now - self._drain_window_s
+        while self._spells and self._spells[0][1] <= horizon:
+            self._spells.popleft()
+        return horizon
 
     def _forget_releases(self, now: float) -> None:
         horizon = now - self._drain_window_s

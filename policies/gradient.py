@@ -7,12 +7,14 @@ TTFT p95 standing in for the request round-trip time::
     new_limit = clamp(limit * gradient + sqrt(limit * gradient), min, max)
 
 ``min_rtt`` is the TTFT p95 measured while the limit is pinned to ``min`` (Envoy's
-``min_concurrency``). The controller starts in such a measurement window, holds
+``min_concurrency``). A new controller starts in such a measurement window, holds
 it for ``min_rtt_window_s`` (so that the gateway's sliding window describes the
 low concurrency only), then returns to the limit it had before. It re-measures
 every ``min_rtt_interval_s``, and early when the limit has sat at ``min`` for
 five consecutive updates (a sign of a bad min_rtt), as Envoy does. Envoy
-jitters the interval randomly; this controller is deterministic instead.
+jitters the interval randomly; this controller is deterministic instead. One that
+takes over a running backend on reload (``carried``) starts at the limit carried
+instead, and measures ``min_rtt_interval_s`` after its first sample.
 
 The gateway's windows slide, so consecutive samples share most of their
 requests; the limit is recomputed at most once per ``update_interval_s`` so
@@ -50,12 +52,19 @@ class GradientLimitConfig(LimitBounds):
 
 class GradientLimit:
     def __init__(
-        self, config: GradientLimitConfig, start: int | None = None, min_rtt: float | None = None
+        self,
+        config: GradientLimitConfig,
+        start: int | None = None,
+        min_rtt: float | None = None,
+        *,
+        carried: bool = False,
     ) -> None:
         self._config = config
         self._limit = config.clamp(config.initial if start is None else start)
-        # A reload hands over the min_rtt measured: the backend has not changed, and a new
-        # window would pin the limit at min until enough traffic measured it again.
+        # A reload hands over the limit and the min_rtt measured, if any: the backend has
+        # not changed, and a window now would pin the limit at min until enough traffic
+        # measured it again (with no traffic, for good). Without a min_rtt the carried
+        # limit holds until the window the first sample schedules.
         self.min_rtt = min_rtt
         self.gradient = 1.0
         self._deferred: int | None = None  # limit to restore after a min_rtt window
@@ -63,7 +72,7 @@ class GradientLimit:
         self._next_min_rtt = float("inf")
         self._next_update = float("-inf")
         self._updates_at_min = 0
-        self._carried = min_rtt is not None  # the next re-measure counts from the first sample
+        self._carried = carried or min_rtt is not None  # re-measure counts from 1st sample
         if not self._carried:
             self._enter_min_rtt_window()  # as Envoy: no limit is trusted before min_rtt is known
 

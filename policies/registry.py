@@ -8,8 +8,10 @@ Reload semantics (``reconfigure``): the replacement controller is built from
 the new config and *starts at the old controller's limit, clamped into the new
 [min, max]*; an adaptive controller resumes carefully from there (the knee
 controller skips its start-up ramp and keeps what it measured of the backend,
-its solo decode speed, when the old controller was a knee controller too). A
-static controller takes its new configured value instead. Permits already
+its solo decode speed, when the old controller was a knee controller too; a
+gradient controller keeps its min-RTT from a gradient controller, and from another
+kind measures it a ``min_rtt_interval_s`` after its first sample rather than at
+once, at ``min``). A static controller takes its new configured value instead. Permits already
 held and requests already queued are untouched: they live in admission, not
 here; a lower limit only stops new admissions until in-flight work drains
 below it.
@@ -73,6 +75,8 @@ def reconfigure(old: LimitController, new_config: LimitConfig) -> LimitControlle
     start = new_config.clamp(old.settled_limit if isinstance(old, GradientLimit) else old.limit)
     if isinstance(new_config, KneeLimitConfig) and isinstance(old, KneeLimit):
         return KneeLimit(new_config, start, solo=old.learned)
-    if isinstance(new_config, GradientLimitConfig) and isinstance(old, GradientLimit):
-        return GradientLimit(new_config, start, min_rtt=old.min_rtt)
+    if isinstance(new_config, GradientLimitConfig):
+        # Not in a min_rtt window, which would pin it at min: it carries the limit on.
+        min_rtt = old.min_rtt if isinstance(old, GradientLimit) else None
+        return GradientLimit(new_config, start, min_rtt=min_rtt, carried=True)
     return build_controller(new_config, start=start)
