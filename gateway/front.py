@@ -33,7 +33,7 @@ from gateway.errors import (
 )
 from gateway.middleware import StampedSend, request_id_from
 from gateway.payload import REQUIRED_FIELD, parse_payload
-from gateway.protocol import ARRIVED_SCOPE_KEY
+from gateway.protocol import ARRIVED_SCOPE_KEY, PIPELINED_SCOPE_KEY
 from gateway.proxy import ProxyRequest, proxy
 from gateway.runtime import Runtime
 
@@ -186,7 +186,7 @@ async def serve_proxied(scope: Scope, receive: Receive, send: Send) -> None:
     watch = reply.watch = DisconnectWatch(receive)
     try:
         try:
-            response = await proxy(runtime, request)
+            response = await proxy(runtime, request, scope.get(PIPELINED_SCOPE_KEY, 0.0))
         except GatewayError as error:
             response = openai_error_response(error)
         await response(scope, receive, reply)

@@ -34,6 +34,28 @@ from gateway.window import ItlBuckets, RollingWindow
 # controller still sees a stream's tokens within a fraction of a second.
 FLUSH_INTERVAL_S = 0.25
 
+# The most tokens one gap is spread over (a value each in the per-token ITL): far above
+# what engines put in an event (vLLM's and SGLang's ``--stream-interval``, a few to a few
+# dozen; speculative decoding, up to ~10 a step), and at 8 bytes a value, a few KB per
+# event received (an event is ~100 bytes or more).
+MAX_TOKENS_PER_GAP = 256
+
+
+# A token count at or past this is no engine's: 2^31 tokens would take one request days
+# of generation at 10,000 tokens/s, and every context today is under 2^24. Below it,
+# the counts a lying backend could send are bounded for what is built from them (the
+# window's tokens, the per-token gaps, see ``MAX_TOKENS_PER_GAP``).
+MAX_USAGE_TOKENS = 2**31
+
+
+def _count(value: Any) -> int | None:
+    """A token count as the usage gives it: a whole number in range; None otherwise."""
+    if not value:
+        return 0  # absent or null: none reported
+    if type(value) is not int or not 0 <= value < MAX_USAGE_TOKENS:
+        return None
+    return value
+
 
 @dataclass(slots=True)
 class Usage:
@@ -46,12 +68,13 @@ class Usage:
     @classmethod
     def from_json(cls, usage: Any) -> Usage | None:
         """The backend's ``usage`` object; None for anything else (untrusted input: a count
-        that is no whole number must not cost the client its answer)."""
+        that is no whole number, or out of range (negative, ``MAX_USAGE_TOKENS`` or more),
+        must not cost the client its answer nor the gateway its measurements)."""
         if not isinstance(usage, dict):
             return None
-        prompt = usage.get("prompt_tokens") or 0
-        completion = usage.get("completion_tokens") or 0
-        if type(prompt) is not int or type(completion) is not int:
+        prompt = _count(usage.get("prompt_tokens"))
+        completion = _count(usage.get("completion_tokens"))
+        if prompt is None or completion is None:
             return None
         details = usage.get("completion_tokens_details")
         reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
@@ -101,7 +124,6 @@ class StreamMeter:
     admitted: float = 0.0  # when the backend was chosen; its TTFT starts here
     flushed_gaps: int = 0
     flushed_events: int = 0
-    flushed_tokens: int = 0  # output tokens handed to the window (estimated while live)
     last_flush: float = 0.0
     # One sequence, past its first gap: the per-event fast path.
     plain: bool = False
@@ -113,6 +135,9 @@ class StreamMeter:
     # Live ITL feeds made with an estimated tokens-per-event ratio, to correct at the
     # end: (the window's buckets they went to, first gap, end gap, tokens, events).
     estimated: list[tuple[ItlBuckets, int, int, int, int]] = field(default_factory=list)
+    # Output tokens fed to the window, flush by flush: (the window's entry, first gap, end
+    # gap, output events), so that the usage's exact counts replace them at the end.
+    fed: list[tuple[list[float], int, int, int]] = field(default_factory=list)
 
     def observe(self, events: list[bytes]) -> list[bytes] | None:
         """Record ``events``; returns the events to forward when some must be dropped."""
@@ -205,7 +230,9 @@ class StreamMeter:
         before the first) and remembered; the final flush spreads the rest by the
         stream's own usage and replaces what was estimated by the same values, in the
         one-second slices they went to, so that once a stream ends the window holds
-        exactly its ``token_gaps()``. Costs nothing per chunk: a flush runs every
+        exactly its ``token_gaps()``. Its output tokens likewise: counted live at the
+        same ratio, set at the end to what each flush's events carried by the usage, up
+        or down, and to the usage's total. Costs nothing per chunk: a flush runs every
         ``FLUSH_INTERVAL_S`` and at the end.
         """
         window = self.window
@@ -227,16 +254,37 @@ class StreamMeter:
             buckets = window.add_itl(now, _spread(self.gaps[start:end], start, tokens, events))
             if carried is None:
                 self.estimated.append((buckets, start, end, tokens, events))
-        if carried is not None or tokens <= events:
-            output = self.output_events  # exact counts come with the usage, at the end
-        else:  # a token each event with no gap before it, the learned ratio each gap
-            gaps = len(self.gaps)
-            output = self.output_events - gaps + gaps * tokens // events
-        window.add_tokens(now, max(0, output - self.flushed_tokens))
-        self.flushed_tokens = max(output, self.flushed_tokens)
+        output = self.output_events - self.flushed_events
+        entry = window.add_tokens(now, _tokens_of(output, start, end, tokens, events))
+        if entry is not None:
+            self.fed.append((entry, start, end, output))
         self.flushed_gaps = end
         self.flushed_events = self.output_events
         self.last_flush = now
+        if final and self.usage is not None:
+            self._settle_tokens(now, window, self.usage, tokens, events)
+
+    def _settle_tokens(
+        self, now: float, window: RollingWindow, usage: Usage, tokens: int, events: int
+    ) -> None:
+        """The usage is exact: each flush's output tokens become what its events carried
+        (``tokens`` in every ``events`` gaps, as the ITL was spread), and the stream's total
+        the usage's (tokens no output event carried, the EOS of an empty last chunk or
+        reasoning never streamed, go in at the end)."""
+        left = usage.completion_tokens
+        for entry, first, last, output in self.fed:
+            entry[1] = exact = _tokens_of(output, first, last, tokens, events)
+            left -= exact
+        if left > 0:
+            window.add_tokens(now, left)
+        else:  # fewer than the events read (a usage that undercounts): the latest go first
+            for entry, *_ in reversed(self.fed):
+                if not left:
+                    break
+                taken = min(int(entry[1]), -left)
+                entry[1] -= taken
+                left += taken
+        self.fed.clear()
 
     def _read_usage(self, event: bytes) -> None:
         """Keeps the usage read before when this one cannot be read."""
@@ -279,8 +327,12 @@ class StreamMeter:
         if self.finish_empty and self.finish_reason == "stop" and not self.several_sequences:
             tokens -= 1
         gaps = len(self.gaps)
+        if not gaps:
+            return None
         openings = events - gaps  # events with no gap before them: a token each
-        return (tokens - openings, gaps) if gaps > 0 else None
+        # A usage claiming more is no engine's: the per-token gaps stay a bounded multiple
+        # of the events received, whatever count a backend sends.
+        return min(tokens - openings, gaps * MAX_TOKENS_PER_GAP), gaps
 
     @property
     def tokens_per_event(self) -> float | None:
@@ -318,6 +370,16 @@ def _spread(gaps: list[float], first: int, tokens: int, events: int) -> list[flo
             spread += [gap / (upto - before)] * (upto - before)
         before = upto
     return spread
+
+
+def _tokens_of(output: int, first: int, end: int, tokens: int, events: int) -> int:
+    """The output tokens of ``output`` events holding gaps ``first`` to ``end``, ``tokens``
+    in every ``events`` gaps as :func:`_spread` spreads them: a token each event with no
+    gap before it."""
+    gaps = end - first
+    if tokens <= events:
+        return output
+    return output - gaps + end * tokens // events - first * tokens // events
 
 
 def _same_spread(tokens: int, events: int, other_tokens: int, other_events: int) -> bool:

@@ -31,6 +31,10 @@ from gateway.settings import ListenConfig
 log = logging.getLogger("kneecap")
 
 ARRIVED_SCOPE_KEY = "kneecap.arrived"
+# Seconds a pipelined request waited, read, for the answer before it on its connection
+# to end (HTTP/1.1 answers in order): the client's wait, not the gateway's work. Absent
+# for a request that waited behind none.
+PIPELINED_SCOPE_KEY = "kneecap.pipelined"
 # A callable that cuts the request's connection at once: a response whose client reads
 # nothing cannot end otherwise, as its close waits for the unread bytes to leave (the
 # relay, at the drain's end).
@@ -166,6 +170,14 @@ class GatewayProtocol(HttpToolsProtocol):
         self._heading = True
         self._head_bytes = -1
         self.scope[ARRIVED_SCOPE_KEY] = time.perf_counter()  # type: ignore[typeddict-unknown-key]
+
+    def on_response_complete(self) -> None:
+        pipeline = self.pipeline
+        if pipeline:  # uvicorn starts the oldest waiting request now
+            scope = pipeline[-1][0].scope
+            waited = time.perf_counter() - scope[ARRIVED_SCOPE_KEY]  # type: ignore[typeddict-item]
+            scope[PIPELINED_SCOPE_KEY] = waited  # type: ignore[typeddict-unknown-key]
+        super().on_response_complete()
 
     def on_headers_complete(self) -> None:
         self._heading = False

@@ -30,7 +30,7 @@ from gateway.proxy_request import (
     upstream_fields,
 )
 from gateway.recording import Flight
-from gateway.relay import StreamRelay, WholeAnswer
+from gateway.relay import StreamRelay, WholeAnswer, content_type, is_whole_json
 from gateway.runtime import Runtime
 from gateway.upstream_identity import upstream_identity
 from gateway.upstream_response import UpstreamResponse
@@ -46,7 +46,12 @@ async def _send(
     return await runtime.transport.post(url, fields, body, timeouts, on_wire=flight.mark_sent)
 
 
-async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | StreamRelay:
+async def proxy(
+    runtime: Runtime, request: ProxyRequest, pipelined: float = 0.0
+) -> WholeAnswer | StreamRelay:
+    """``pipelined``: the seconds the request, read, waited for the answer before it on its
+    connection (HTTP/1.1 pipelining): the client's ordering, neither the gateway's own
+    time nor a queue's, so it eats neither the queue deadline nor the overhead."""
     forward_key = runtime.current.settings.auth.forward_client_key
 
     def identity(replica: Replica) -> list[tuple[bytes, bytes]]:
@@ -63,11 +68,12 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
         stream=streaming,
         started=request.started,
         request_id=request.request_id,
+        pipelined=pipelined,
     )
     priority = request_priority(request)
     # The queue deadline runs from the request's arrival, once for all attempts: the
     # client's wait is bounded, whatever reading, routing and retries took.
-    elapsed = time.perf_counter() - request.started
+    elapsed = time.perf_counter() - request.started - pipelined
     deadline = time.monotonic() + max_queue_wait(request, settings.pools[pool]) - elapsed
     tried: set[str] = set()
     last_error: Exception | None = None
@@ -159,7 +165,8 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
         # Otherwise the backend has not succeeded yet: its answer may still be cut or
         # stall. Success is recorded once the body is whole (buffered, StreamFinisher).
         extra = {"x-kneecap-backend": replica.name}  # the request id is the front's to stamp
-        if streaming and upstream.status_code == 200:
+        kind = content_type(upstream.raw_headers) if streaming else None
+        if streaming and upstream.status_code == 200 and not is_whole_json(kind):
             meter = StreamMeter(
                 started=request.started,
                 strip_usage=strip_usage,
@@ -168,7 +175,7 @@ async def proxy(runtime: Runtime, request: ProxyRequest) -> WholeAnswer | Stream
                 admitted=flight.admitted,
             )
             finisher = StreamFinisher(runtime, flight, route, lease)
-            return StreamRelay(upstream, meter, extra, finisher)
+            return StreamRelay(upstream, meter, extra, finisher, kind)
         return await buffered(runtime, flight, route, upstream, lease, extra)
     if last_replica is not None and last_error is not None:
         runtime.recorder.finished(flight, last_replica, status_of(last_error))

@@ -41,10 +41,11 @@ class RequestRecord:
 
     Times are seconds. ``queue_s`` is the time spent waiting for admission, summed
     over a retried request's attempts; ``upstream_s`` runs from receipt until its
-    request was written to the backend that answered (queue wait, failed attempts and
-    connecting included; ``None`` when the request was never written), ``overhead_s``
-    the same less the queue waits and the failed attempts: the gateway's own share of
-    the TTFT.
+    request was written to the backend that answered (queue wait, failed attempts,
+    connecting, and a pipelined request's wait for the answer before it on its
+    connection included; ``None`` when the request was never written), ``overhead_s``
+    the same less the queue waits, the failed attempts and that pipelining wait: the
+    gateway's own share of the TTFT.
     ``ttft_s`` runs from receipt to the first relayed SSE event carrying output; it
     is ``None`` for non-streaming requests
     (the whole body arrives at once, so their "first token" is their end-to-end
@@ -68,7 +69,7 @@ class RequestRecord:
     completion_tokens: int | None
     request_id: str = ""
     upstream_s: float | None = None  # receipt → the (last) upstream request written
-    overhead_s: float | None = None  # upstream_s less queue waits and failed attempts
+    overhead_s: float | None = None  # upstream_s less queue waits, failed attempts, pipelining
 
     def summary(self) -> dict[str, object]:
         """What ``GET /admin/requests`` shows of it (ITL as count and mean, not every gap)."""

@@ -54,6 +54,8 @@ class Flight:
     waited: float = 0.0  # seconds spent in admission queues, over all attempts
     failed: float = 0.0  # seconds spent on failed attempts, each from its admission on
     overhead: float = 0.0  # the gateway's own seconds before the (last) write
+    # Seconds it waited, read, for the answer before it on its connection to end.
+    pipelined: float = 0.0
     # The attempt admitted last failed, or answered without a stream: its end bounds no
     # first token (a record made after it, e.g. the client gone while a retry waited, adds
     # no censored TTFT).
@@ -66,7 +68,8 @@ class Flight:
             return
         self.sent = time.perf_counter()
         # Taken now: were this attempt to fail, its time would not be the gateway's own.
-        self.overhead = max(0.0, self.sent - self.started - self.waited - self.failed)
+        spent = self.waited + self.failed + self.pipelined
+        self.overhead = max(0.0, self.sent - self.started - spent)
 
     def attempt_failed(self) -> None:
         """The attempt admitted last has failed (its lease is back): its time, spent on a
@@ -166,7 +169,7 @@ class Recorder:
         self.recent.append(record)
         window = replica.window
         if meter is not None:
-            meter.flush(end, final=True)  # the window's ITL becomes this record's
+            meter.flush(end, final=True)  # the window's ITL and tokens become this record's
         if (
             ttft is None
             and flight.stream
@@ -181,11 +184,8 @@ class Recorder:
             window.add_censored_ttft(end, end - flight.admitted)
         if status == "ok":
             window.add_completed(end)
-            # Usage is exact; the live feed counted output events (times the backend's
-            # tokens per event), which may be fewer.
-            counted = meter.flushed_tokens if meter is not None else 0
-            if usage and usage.completion_tokens > counted:
-                window.add_tokens(end, usage.completion_tokens - counted)
+            if meter is None and usage is not None:  # a stream's the final flush counted
+                window.add_tokens(end, usage.completion_tokens)
             ratio = meter.tokens_per_event if meter is not None else None
             if ratio is not None:
                 window.learn_tokens_per_event(ratio)

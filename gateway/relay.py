@@ -75,12 +75,23 @@ def connection_options(value: str | bytes | None) -> frozenset[bytes]:
     return frozenset(name.strip().lower() for name in value.split(b",")) - {b""}
 
 
-def is_event_stream(raw_headers: list[tuple[bytes, bytes]]) -> bool:
-    """SSE by its content type; a backend that names none is taken at its word for SSE."""
+def content_type(raw_headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The answer's content type, in lower case; None when it names none."""
     for name, value in raw_headers:
         if name.lower() == b"content-type":
-            return value.lstrip().lower().startswith(b"text/event-stream")
-    return True
+            return value.lstrip().lower()
+    return None
+
+
+def is_event_stream(kind: bytes | None) -> bool:
+    """SSE by its content type; a backend that names none is taken at its word for SSE."""
+    return kind is None or kind.startswith(b"text/event-stream")
+
+
+def is_whole_json(kind: bytes | None) -> bool:
+    """A JSON document, answered to a request for a stream (``stream`` ignored, as vLLM
+    does on ``/v1/embeddings``): read whole, for its usage, as an answer not streamed."""
+    return kind is not None and kind.startswith(b"application/json")
 
 
 def response_headers(
@@ -144,7 +155,9 @@ class StreamRelay:
         meter: StreamMeter,
         headers: dict[str, str],
         finisher: StreamFinisher,
+        kind: bytes | None = b"",  # b"": not read yet
     ) -> None:
+        """``kind``: the answer's :func:`content_type`, when the caller read it already."""
         self.upstream = upstream
         self.meter = meter
         self.headers = headers
@@ -152,7 +165,9 @@ class StreamRelay:
         # An answer that says it is no SSE (NDJSON, text) has no events to time or strip,
         # and holding bytes back until a blank line would stop it streaming at all. Off
         # too while an event too long to hold is relayed as it comes (``_unframed``).
-        self.events = is_event_stream(upstream.raw_headers)
+        if kind == b"":
+            kind = content_type(upstream.raw_headers)
+        self.events = is_event_stream(kind)
         if not self.events:
             meter.metered = False
         # Set once the upstream body is over, before the last send: the client may

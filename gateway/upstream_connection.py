@@ -95,6 +95,8 @@ class Connection(asyncio.Protocol):
             raise httptools.HttpParserError("bytes after the complete response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_done:
+            return  # a chunked body's trailer field (llhttp reports them here too): no header
         self.headers.append((name, value))
         lowered = name.lower()
         if lowered == b"content-length" or lowered == b"transfer-encoding":

@@ -200,7 +200,9 @@ class RollingWindow:
         # (vLLM's --stream-interval, speculative decoding: several): how the meters
         # spread a running stream's gaps over tokens before its usage is known.
         self._tokens_per_event: float | None = None
-        self._tokens: deque[tuple[float, int]] = deque()
+        # [time, count]: a running stream's entries are estimates, set to its exact
+        # counts once its usage is known (see StreamMeter.flush).
+        self._tokens: deque[list[float]] = deque()
         self._completed: deque[float] = deque()
 
     def add_ttft(self, now: float, ttft: float) -> None:
@@ -237,10 +239,15 @@ class RollingWindow:
         ratio = self._tokens_per_event
         return (1, 1) if ratio is None else (round(ratio * 1000), 1000)
 
-    def add_tokens(self, now: float, count: int) -> None:
+    def add_tokens(self, now: float, count: int) -> list[float] | None:
+        """Output tokens at ``now``; returns their entry, whose count (index 1) may be set
+        later, while it is in the window, to correct an estimate (None: none was made)."""
         self._mark(now)
-        if count:
-            self._tokens.append((now, count))
+        if not count:
+            return None
+        entry = [now, count]
+        self._tokens.append(entry)
+        return entry
 
     def add_completed(self, now: float) -> None:
         self._mark(now)
