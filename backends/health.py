@@ -1,8 +1,10 @@
 """Active health probes: a dead replica is ejected, a recovered one readmitted.
 
 Each round probes every replica of the current snapshot concurrently. A replica
-that has no configured models gets them from its ``/v1/models`` on each
-successful probe, so a backend that changes what it serves is followed; the
+passively ejected (``Replica.record_failure``) is readmitted only by a probe that
+answers once its ejection is over: its ``/health`` may say 200 while it fails every
+request. A replica that has no configured models gets them from its ``/v1/models`` on
+each successful probe, so a backend that changes what it serves is followed; the
 context length (``max_model_len``) is learned there too on each probe, unless
 configured.
 """
@@ -11,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import anyio
 import httpx
 
 from backends.pool import BackendSet
-from backends.replica import Replica
+from backends.replica import Replica, install_rotations
 from gateway.overload import GatewayOutOfResources, shortage_hint
 from gateway.settings import HealthConfig
 
@@ -65,7 +68,10 @@ async def probe_all(
     backends: BackendSet,
     config: HealthConfig,
     on_change: Callable[[Replica], None],
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
+    install_rotations(backends.replicas, config, clock)
+
     async def one(replica: Replica) -> None:
         try:
             failure = await probe(client, replica, config)
@@ -83,16 +89,22 @@ async def probe_all(
         except Exception:  # whatever one backend answers must not stop the others' probes
             log.exception("probing backend %s failed", replica.name)
             failure = "the probe failed"
+        now = clock()
+        if replica.held_out(now):
+            return  # its ejection runs on, whatever its /health says
+        ejected = replica.ejected_until is not None  # and is over: the probe decides now
+        replica.ejected_until = None
         ok = failure is None
         was, first = replica.healthy, not replica.probed
         if ok and not was:
             log.info("backend %s is up", replica.name)
-        elif not ok and (was or first):
+            # Only a readmission resets the failure count: a probe between two failed
+            # requests kept a backend failing every request from reaching the threshold.
+            replica.readmitted(now)
+        elif not ok and (was or first or ejected):
             log.warning("backend %s is DOWN: %s", replica.name, failure)
         replica.healthy = ok
         replica.probed = True
-        if ok:
-            replica.consecutive_failures = 0
         if ok != was or first:  # requests queued for a new replica's first verdict hear it
             on_change(replica)
 
@@ -116,6 +128,10 @@ class HealthProber:
         self._wake = anyio.Event()
 
     def probe_soon(self) -> None:
+        """A reload: the new snapshot's pools and knobs rule passive ejection from now, not
+        from the next round (one in progress may take ``timeout_s``)."""
+        backends, config = self._current()
+        install_rotations(backends.replicas, config)
         self._wake.set()
 
     async def run(self) -> None:

@@ -83,23 +83,36 @@ def parse_engine_gauges(text: str, names: EngineMetricNames, now: float) -> Engi
 
 
 def parse_kv_capacity(text: str) -> int | None:
-    """The engine's KV cache size in tokens, where its /metrics says it.
+    """The engine's KV cache size in tokens, where its /metrics says it: the whole
+    backend's, as KV usage is the share of the whole in use (:func:`parse_engine_gauges`).
 
-    vLLM: ``vllm:cache_config_info`` labels ``num_gpu_blocks`` times ``block_size``;
-    SGLang: ``sglang:max_total_num_tokens``. Of several series (ranks) the largest
-    counts: tensor-parallel ranks repeat one pool, and under data parallelism
-    one rank's size is the safe side.
+    vLLM: ``vllm:cache_config_info`` labels ``num_gpu_blocks`` times ``block_size``. Its
+    series per data-parallel engine (``engine="0"``, ``"1"``...) all repeat the API
+    server's cache config, whose ``num_gpu_blocks`` is already the sum over the engines it
+    started (``wait_for_engine_startup`` in vllm/v1/engine/utils.py): one series is the
+    whole, and a sum would count it once per rank. SGLang: ``sglang:max_total_num_tokens``,
+    one series per scheduler; the tensor, pipeline and expert ranks of a data-parallel rank
+    share its pool (the largest counts), each ``dp_rank`` has one of its own (they add up).
+    Series that carry no ``dp_rank`` cannot be told apart: the largest is the safe side.
     """
-    largest = 0
+    pools: dict[tuple[str, str], int] = {}  # (name, data-parallel rank) → its pool
     for name, labels, value in samples(text, _CAPACITY_NAMES):
-        if name == "sglang:max_total_num_tokens":
-            largest = max(largest, int(value))
-            continue
         found = dict(_LABEL.findall(labels))
-        blocks, size = _count(found.get("num_gpu_blocks", "")), _count(found.get("block_size", ""))
-        if blocks is not None and size is not None:
-            largest = max(largest, blocks * size)
-    return largest or None
+        if name == "sglang:max_total_num_tokens":
+            if not 0 < value < 1e18:  # NaN, a negative or absurd figure: not a pool size
+                continue
+            tokens, rank = int(value), found.get("dp_rank", "")
+        else:
+            blocks = _count(found.get("num_gpu_blocks", ""))
+            size = _count(found.get("block_size", ""))
+            if blocks is None or size is None:
+                continue
+            tokens, rank = blocks * size, ""
+        pools[name, rank] = max(pools.get((name, rank), 0), tokens)
+    totals: dict[str, int] = {}
+    for (name, _), tokens in pools.items():
+        totals[name] = totals.get(name, 0) + tokens
+    return max(totals.values(), default=0) or None
 
 
 def _count(label: str) -> int | None:

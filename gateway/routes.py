@@ -131,6 +131,7 @@ def backend_view(replica: Replica, now: float, mono: float, settings: Settings) 
         "pool": replica.pool,
         "url": replica.url,
         "healthy": replica.healthy,
+        "ejection": replica.ejection_view(mono),
         "in_flight": replica.in_flight,
         "limit": replica.limit,
         "tokens_in_flight": replica.tokens_in_flight,

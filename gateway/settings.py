@@ -227,9 +227,26 @@ class HealthConfig(Frozen):
     # An engine busy at full batch can take seconds to answer; too short flaps it.
     timeout_s: float = Field(5.0, gt=0)
     path: str = Field("/health", pattern=r"^/")  # appended to each backend's URL
-    # Passive ejection: this many consecutive failed requests take a backend out
-    # until the next successful active probe.
+    # Passive ejection (Envoy's outlier detection): this many consecutive failed requests
+    # take a backend out for ejection_s times its ejections in a row, at most max_ejection_s;
+    # a successful probe readmits it only after that (before, the next one did, and a
+    # backend up by its /health but failing every request was back within interval_s).
     failure_threshold: int = Field(3, ge=1)
+    ejection_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    max_ejection_s: float = Field(300.0, gt=0, allow_inf_nan=False)
+    # At most this share of a pool's backends is held out by passive ejection at once
+    # (rounded down), and never the last one in rotation for a model of the pool: a few
+    # requests that fail everywhere must not empty it.
+    max_ejection_percent: int = Field(50, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _ejection_bounded(self) -> HealthConfig:
+        if self.max_ejection_s < self.ejection_s:
+            raise ValueError(
+                f"max_ejection_s ({self.max_ejection_s}) must be at least "
+                f"ejection_s ({self.ejection_s}): it caps the ejections that grow from it"
+            )
+        return self
 
 
 class UpstreamConfig(Frozen):

@@ -199,11 +199,14 @@ def test_stalled_upstream_is_cut_by_the_read_timeout(tmp_path: Path) -> None:
 def test_a_backend_failing_every_request_is_ejected_with_no_attempt_left(tmp_path: Path) -> None:
     # Up by its /health, 500 to every request: with one attempt per request each 500 is
     # relayed as it is (no replica left to try), and still counts against the backend.
+    # A healthy one beside it: passive ejection never takes a pool's last backend.
     broken = start_ops_backend(tmp_path, post_status=500)
+    alive = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
     config = {
-        "backends": [backend("broken", broken.url)],
+        "backends": [backend("broken", broken.url), backend("alive", alive.url)],
         "health": {"interval_s": 60, "failure_threshold": 2},
         "upstream": {"max_attempts": 1},
+        "routing": {"policy": "least_loaded"},  # deterministic: `broken` first on ties
     }
     gw = start_gateway(tmp_path, config)
     try:
@@ -211,11 +214,14 @@ def test_a_backend_failing_every_request_is_ejected_with_no_attempt_left(tmp_pat
             answer = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10)
             assert answer.status_code == 500
             assert answer.json() == {"error": {"message": "engine failed"}}  # the engine's own
-        assert [b["healthy"] for b in gw.state()["backends"]] == [False]
-        assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 503
+        states = {b["name"]: b["healthy"] for b in gw.state()["backends"]}
+        assert states == {"broken": False, "alive": True}
+        answer = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10)
+        assert (answer.status_code, answer.headers["x-kneecap-backend"]) == (200, "alive")
     finally:
         gw.proc.stop()
         broken.stop()
+        alive.stop()
 
 
 CUT_WHOLE = 'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"id"'
@@ -231,10 +237,15 @@ def test_a_backend_that_cuts_every_answer_is_ejected(tmp_path: Path, stream: boo
     the head counted as a success (the failure count back to 0) and the backend was never
     ejected."""
     raw = start_raw_sse(tmp_path)
+    spare = start_raw_sse(tmp_path)  # passive ejection never takes a pool's last backend
     config = {
-        "backends": [backend("cutter", raw.url, models=[RAW_MODEL])],
+        "backends": [
+            backend("cutter", raw.url, models=[RAW_MODEL]),
+            backend("spare", spare.url, models=[RAW_MODEL]),
+        ],
         "health": {"interval_s": 60, "failure_threshold": 2},
         "upstream": {"max_attempts": 1},
+        "routing": {"policy": "least_loaded"},  # deterministic: `cutter` first on ties
     }
     gw = start_gateway(tmp_path, config)
     try:
@@ -252,7 +263,9 @@ def test_a_backend_that_cuts_every_answer_is_ejected(tmp_path: Path, stream: boo
                 assert answer.status_code == 200 and '"upstream_error"' in answer.text
             else:
                 assert answer.status_code == 502
-        assert [b["healthy"] for b in gw.state()["backends"]] == [False]
+        # Both went to it (threshold 2): ejected, the spare still in.
+        assert [b["healthy"] for b in gw.state()["backends"]] == [False, True]
     finally:
         gw.proc.stop()
         raw.stop()
+        spare.stop()

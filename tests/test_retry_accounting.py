@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -215,15 +216,16 @@ def test_a_retry_that_goes_out_is_counted(pair: Gateway, raws: dict[str, Proc]) 
 def test_a_retry_whose_backend_goes_down_while_it_waits_ends_with_its_failure(
     tmp_path: Path,
 ) -> None:
-    """The retry waits for the held backend, which then dies (its stream cut, one failure
-    makes it unhealthy): no backend is left. The client hears of the 500 it had, and the
-    request is counted on the backend it reached, not refused as no_backend (before:
-    503 no_backend, a rejection, and no count in kneecap_requests_total)."""
+    """The retry waits for the held backend, which then stops answering (its probes time
+    out: passive ejection never takes a pool's last backend, only a probe can): no backend
+    is left. The client hears of the 500 it had, and the request is counted on the backend
+    it reached, not refused as no_backend (before: 503 no_backend, a rejection, and no
+    count in kneecap_requests_total)."""
     procs = {"a": start_raw_sse(tmp_path), "b": start_raw_sse(tmp_path)}
     config = {
         "backends": [raw_entry(name, proc) for name, proc in procs.items()],
         "pools": {"short": {"max_queue_wait_s": 30}},
-        "health": {"interval_s": 30, "failure_threshold": 1},
+        "health": {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1},
         "routing": {"policy": "least_loaded"},
     }
     gateway = start_gateway(tmp_path, config)
@@ -240,8 +242,9 @@ def test_a_retry_whose_backend_goes_down_while_it_waits_ends_with_its_failure(
                 timeout=20,
             )
             wait_until(lambda: gateway.state()["pools"]["short"]["queue_depth"] == 1, timeout=10)
-            procs[held.backend].stop()  # the held stream is cut: its backend fails
+            procs[held.backend].process.send_signal(signal.SIGSTOP)  # frozen, not cut
             response = answer.result()
+            procs[held.backend].kill()  # the held stream ends too
         assert response.status_code == 502, response.text
         record = record_of(gateway, request_id)
         assert (record["status"], record["backend"]) == ("upstream_error", reached)

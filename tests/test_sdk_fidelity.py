@@ -223,11 +223,14 @@ def test_engine_error_events_blaming_the_request_never_eject_the_backend(
     """One failure ejects (threshold 1) and no probe readmits (60 s apart). Streams
     ending in a 400-coded error event are ``client_error``: the backend stays in and
     serves the next request. Before the fix the first such stream ejected it, and every
-    request got 503 until the next probe. A 500-coded event still ejects it."""
+    request got 503 until the next probe. A 500-coded event still ejects it (a spare
+    beside it: passive ejection never takes a pool's last backend)."""
+    spare = start_raw_sse(tmp_path)
     config = {
-        "backends": [raw_backend("raw", raw.url)],
+        "backends": [raw_backend("raw", raw.url), raw_backend("spare", spare.url)],
         "health": {"interval_s": 60, "failure_threshold": 1},
         "upstream": {"max_attempts": 1},
+        "routing": {"policy": "least_loaded"},  # deterministic: `raw` first on ties
     }
     gateway = start_gateway(tmp_path, config)
     try:
@@ -255,6 +258,7 @@ def test_engine_error_events_blaming_the_request_never_eject_the_backend(
         assert idle(gateway)
     finally:
         gateway.proc.stop()
+        spare.stop()
 
 
 # --- 4. continuous usage stats the client asked for without usage -------------------
