@@ -1,8 +1,10 @@
 """The set of replicas one config snapshot routes over, rebuilt on reload.
 
 A rebuilt set reuses the :class:`Replica` of every backend whose name and URL
-are unchanged, so health, in-flight counts and limits survive a reload; a
-removed replica simply stops receiving new requests and drains.
+are unchanged (or that a reload renamed at the same URL, see
+:meth:`Runtime._keepable <gateway.runtime.Runtime._keepable>`), so health,
+in-flight counts and limits survive a reload; a removed replica simply stops
+receiving new requests and drains.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ class BackendSet:
         return cls(replicas, {r.name: r for r in replicas})
 
     @classmethod
+    def named(cls, replicas: Mapping[str, Replica]) -> BackendSet:
+        """Replicas under the names of the backends that keep them, for :meth:`build`: a
+        renamed backend's under its new name."""
+        return cls(tuple(replicas.values()), dict(replicas))
+
+    @classmethod
     def build(
         cls,
         configs: Iterable[BackendConfig],
@@ -39,6 +47,11 @@ class BackendSet:
             url = (config.url or urls.get(config.name, "")).rstrip("/")
             kept = old.get(config.name)
             if kept is not None and kept.url == url:
+                if kept.config.models and not config.models:
+                    # Its `models` dropped: what it was told it serves stands until its
+                    # probe (at once after a reload) lists the engine's own; what it had
+                    # discovered before it was told is stale, and none left it none.
+                    kept.discovered_models = frozenset(kept.config.models)
                 kept.config = config
                 replicas.append(kept)
             else:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 import uvicorn
+from uvicorn.config import LOG_LEVELS
 
 from backends.sim.base import MAX_DELAY_MS, MAX_SPEED, MIN_SPEED
 from gateway.config_file import read_config_file
@@ -47,8 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain=drain,
     )
     gateway = gateway_server(app, host, port, drain, log_level=args.log_level)
-    _print_banner(settings, host, port, sims)
-    run_servers(gateway, sims, drain)
+    run_servers(gateway, sims, drain, lambda bound: _print_banner(settings, host, bound, sims))
     return 0
 
 
@@ -60,8 +60,10 @@ def _warn_of_likely_slips(settings: Settings) -> None:
 
 
 def _print_banner(settings: Settings, host: str, port: int, sims: Sequence[object]) -> None:
-    base = f"http://{host}:{port}/v1"
-    print(f"kneecap gateway on http://{host}:{port}  ({len(settings.backends)} backends)")
+    from gateway.serving import http_url
+
+    base = f"{http_url(host, port)}/v1"
+    print(f"kneecap gateway on {http_url(host, port)}  ({len(settings.backends)} backends)")
     for backend in settings.backends:
         where = backend.url or next(s.url for s in sims if s.name == backend.name)  # type: ignore[attr-defined]
         kind = "simulated " if backend.url is None else ""
@@ -141,7 +143,7 @@ def _sim(args: argparse.Namespace) -> int:
     from backends.sim.arrival import HTTP_PROTOCOL
     from backends.sim.factory import make_engine
     from backends.sim.server import create_sim_app
-    from gateway.serving import server_config
+    from gateway.serving import http_url, run_server, server_config
 
     if args.list_profiles:
         from backends.sim.profiles import format_profiles
@@ -173,14 +175,15 @@ def _sim(args: argparse.Namespace) -> int:
         print(f"kneecap sim: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     what = args.profile or f"fixed ttft={args.ttft_ms}ms itl={args.itl_ms}ms"
-    print(
-        f"kneecap sim: {args.model} ({what}, speed {args.speed}x) on http://{args.host}:{args.port}",
-        flush=True,
-    )
+
+    def announce(port: int) -> None:
+        where = http_url(args.host, port)
+        print(f"kneecap sim: {args.model} ({what}, speed {args.speed}x) on {where}", flush=True)
+
     app = create_sim_app(engine, args.model)
     server = uvicorn.Server(server_config(app, args.host, args.port, http=HTTP_PROTOCOL))
     try:
-        server.run()
+        run_server(server, announce)
     except KeyboardInterrupt:
         pass
     return 0
@@ -281,12 +284,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     args = build_parser().parse_args(argv)
+    _configure_logging(getattr(args, "log_level", "info"))
     return args.func(args)
+
+
+def _configure_logging(name: str) -> None:
+    """``--log-level`` governs kneecap's own loggers as well as uvicorn's (set by its
+    config): both read the same names, ``trace`` being uvicorn's level below debug."""
+    level = LOG_LEVELS[name]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A line (or, at debug, a dozen) per upstream call is noise. Set at warning on their
+    # own loggers, theirs would pass a stricter root level: it filters only its own records.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, level))
 
 
 if __name__ == "__main__":

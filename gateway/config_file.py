@@ -74,7 +74,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
+def read_config_file(path: str | Path, *, allow_empty: bool = True) -> dict[str, Any]:
+    """The file's top-level mapping. An empty one (nothing, or only comments) sets every
+    key to its default; with ``allow_empty=False`` it is refused instead."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
@@ -82,9 +84,16 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): {exc.reason}") from exc
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    if data is None:
+        if not allow_empty:
+            raise ConfigError(
+                f"{path}: the file is empty (caught while being written?);"
+                " to remove every backend, say `backends: []`"
+            )
+        data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
     return data

@@ -19,12 +19,13 @@ from prometheus_client import CollectorRegistry
 
 from backends.pool import BackendSet
 from backends.replica import EngineGauges, Replica
+from gateway.config_file import read_config_file
 from gateway.config_warnings import config_warnings
 from gateway.control import LimitLoop
 from gateway.metrics import GatewayMetrics
 from gateway.recording import Recorder
 from gateway.routing import RoutingState
-from gateway.settings import ConfigError, Settings, load_settings
+from gateway.settings import ConfigError, Settings, build_settings, load_settings
 from gateway.upstream import UpstreamTransport
 from policies.admission import PoolAdmission, Priority
 
@@ -329,17 +330,37 @@ class Runtime:
 
     def _keepable(self, settings: Settings, held: list[Replica]) -> BackendSet:
         """Per backend of ``settings``, the replica it keeps: the one, live or draining, at
-        the URL it names (resolved as :meth:`BackendSet.build` does); none there, a new one.
-        Where a live and a draining replica share name and URL, the live one (last) wins."""
+        the URL it names (resolved as :meth:`BackendSet.build` does); none there, that of a
+        backend this reload renames, the only live one at that URL whose name goes, when it
+        is the only newcomer there (a new replica beside it would let the engine run the
+        old name's requests and the new name's whole limit); else a new one. Where a live
+        and a draining replica share name and URL, the live one (last) wins."""
         urls = {
             b.name: (b.url or self.sim_urls.get(b.name, "")).rstrip("/") for b in settings.backends
         }
-        return BackendSet.of(r for r in held if urls.get(r.name) == r.url)
+        kept = {r.name: r for r in held if urls.get(r.name) == r.url}
+        going: dict[str, list[Replica]] = {}
+        for replica in self.current.backends.replicas:
+            if replica.name not in urls:
+                going.setdefault(replica.url, []).append(replica)
+        coming: dict[str, list[str]] = {}
+        for name, url in urls.items():
+            if name not in kept:
+                coming.setdefault(url, []).append(name)
+        for url, names in coming.items():
+            old = going.get(url, [])
+            if len(names) == 1 and len(old) == 1:  # more: which is which is a guess
+                renamed = kept[names[0]] = old[0]
+                # To its probes a new name is a new backend: it waits for a first verdict
+                # (requests meanwhile wait with it), while its requests in flight, on the
+                # same engine, still count against its limit.
+                renamed.healthy = renamed.probed = False
+        return BackendSet.named(kept)
 
     def reload(self) -> ReloadResult:
         """Re-read the config file; on any error the old config keeps serving."""
         try:
-            settings = load_settings(self.config_path)
+            settings = self._read_config()
         except ConfigError as exc:
             log.error("config reload rejected, keeping the old config: %s", exc)
             self.metrics.observe_config_reload(False)
@@ -352,6 +373,19 @@ class Runtime:
         self.metrics.observe_config_reload(result.ok)
         (log.info if result.ok else log.error)("config reload: %s", result.message)
         return result
+
+    def _read_config(self) -> Settings:
+        """The file as a reload reads it. A file written in place can be read empty or half
+        written: empty, it is refused (a running gateway losing every backend to a
+        truncation is never what was meant; ``backends: []`` says it on purpose), and one
+        silent on ``watch_config`` leaves the watcher as it is, so that what the writer
+        finishes is still applied: only ``watch_config: false`` turns the watcher off."""
+        if self.config_path is None:
+            return load_settings(None)
+        data = read_config_file(self.config_path, allow_empty=False)
+        if "watch_config" not in data:
+            data = {**data, "watch_config": self.current.settings.watch_config}
+        return build_settings(data)
 
 
 def _needing_a_restart(running: Settings, new: Settings) -> list[str]:

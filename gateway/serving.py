@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -100,8 +100,19 @@ def build_embedded_sims(
     return sims
 
 
+Announce = Callable[[int], None]  # called with the port a server listens on, once it does
+
+
+def http_url(host: str, port: int) -> str:
+    """The base URL a client would use: an IPv6 address goes in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def run_servers(
-    gateway: uvicorn.Server, sims: Sequence[EmbeddedSim], drain: Drain | None = None
+    gateway: uvicorn.Server,
+    sims: Sequence[EmbeddedSim],
+    drain: Drain | None = None,
+    announce: Announce | None = None,
 ) -> None:
     """Serve until stopped, on uvloop when it is installed (as uvicorn's ``loop="auto"``).
 
@@ -109,7 +120,27 @@ def run_servers(
     event loop is chosen here; uvloop roughly halves the loop's own cost per
     socket read and write, which is most of what relaying a token costs.
     """
-    anyio.run(serve_with_sims, gateway, sims, drain, backend_options={"use_uvloop": _has_uvloop()})
+    options = {"use_uvloop": _has_uvloop()}
+    anyio.run(serve_with_sims, gateway, sims, drain, announce, backend_options=options)
+
+
+def run_server(server: uvicorn.Server, announce: Announce) -> None:
+    """``server.run()`` (its signal handling included), announcing the bound port."""
+
+    async def serve() -> None:
+        async with anyio.create_task_group() as group:
+            group.start_soon(_announce_when_started, server, announce)
+            await server.serve()
+            group.cancel_scope.cancel()
+
+    anyio.run(serve, backend_options={"use_uvloop": _has_uvloop()})
+
+
+async def _announce_when_started(server: uvicorn.Server, announce: Announce) -> None:
+    # Only then is the port known (``port: 0`` picks one) and worth printing.
+    while not server.started:  # noqa: ASYNC110  (uvicorn offers no "started" event)
+        await anyio.sleep(0.01)
+    announce(server.servers[0].sockets[0].getsockname()[1])
 
 
 def _has_uvloop() -> bool:
@@ -121,7 +152,10 @@ def _has_uvloop() -> bool:
 
 
 async def serve_with_sims(
-    gateway: uvicorn.Server, sims: Sequence[EmbeddedSim], drain: Drain | None = None
+    gateway: uvicorn.Server,
+    sims: Sequence[EmbeddedSim],
+    drain: Drain | None = None,
+    announce: Announce | None = None,
 ) -> None:
     """Sims up first, gateway last; Ctrl-C/SIGTERM drains the gateway, then the sims.
 
@@ -137,6 +171,8 @@ async def serve_with_sims(
             await anyio.sleep(0.01)
         async with anyio.create_task_group() as front:
             front.start_soon(_stop_on_signal, gateway, drain or Drain(0.0))
+            if announce is not None:
+                front.start_soon(_announce_when_started, gateway, announce)
             try:
                 await _serve_then_shut_down(gateway)
             except SystemExit as exc:  # uvicorn could not start (it logged why: a port taken)
@@ -172,7 +208,9 @@ async def _stop_on_signal(gateway: uvicorn.Server, drain: Drain) -> None:
                     continue
                 gateway.should_exit = True
                 deadline.start_soon(_stop_after, drain)
-                log.info(
+                # At warning: a gateway run at `--log-level warning` says when it began to
+                # refuse new work and why, before its own drain-timeout warning.
+                log.warning(
                     "received %s, draining for up to %g s",
                     signal.Signals(signum).name,
                     drain.timeout_s,

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from gateway.settings import ConfigError, load_settings
-from tests.procs import MODEL, free_port, start_process, wait_until
+from tests.procs import MODEL, STARTED, Proc, free_port, start_process, wait_until
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -286,3 +286,57 @@ def test_check_config_warns_of_an_override_that_names_no_setting(tmp_path: Path)
     assert result.returncode == 0, result.stderr
     warned = [line.split()[2] for line in result.stderr.splitlines() if "names no setting" in line]
     assert warned == ["KNEECAP_HEALHT__INTERVAL_S", "kneecap_listne__port"], result.stderr
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def _announced_url(args: list[str], marker: str, log: Path) -> tuple[Proc, str]:
+    """Starts ``kneecap ARGS`` and returns the URL its startup line, ``MARKER…URL``, gives."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", *args],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    proc = Proc(process, "", log)
+    STARTED.append(proc)  # stopped by the conftest fixtures should an assert fail first
+
+    def line() -> str | None:
+        return next((x for x in proc.output().splitlines() if marker in x), None)
+
+    wait_until(lambda: line() is not None or process.poll() is not None, timeout=30)
+    found = line()
+    assert found is not None, proc.output()
+    return proc, found.split(marker, 1)[1].split()[0].strip('",')
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_the_banner_gives_a_usable_url_for_ipv6_and_port_0(tmp_path: Path) -> None:
+    # It printed http://::1:18439/v1 (no brackets) and, for --port 0, port 0.
+    path = tmp_path / "c.yaml"
+    path.write_text("backends:\n  - {name: a, url: 'http://127.0.0.1:9', models: [m]}\n")
+    args = ["serve", "--config", str(path), "--host", "::1", "--port", "0"]
+    proc, base_url = _announced_url(args, "OpenAI(base_url=", tmp_path / "serve.log")
+    try:
+        assert base_url.startswith("http://[::1]:") and not base_url.endswith(":0/v1"), base_url
+        assert httpx.get(base_url + "/models", timeout=5).status_code == 200
+    finally:
+        proc.stop()
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_kneecap_sim_announces_the_port_it_bound(tmp_path: Path) -> None:
+    args = ["sim", "--host", "::1", "--port", "0"]
+    proc, url = _announced_url(args, ") on ", tmp_path / "sim.log")
+    try:
+        assert url.startswith("http://[::1]:") and not url.endswith(":0"), url
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+    finally:
+        assert proc.stop(signal.SIGINT) == 0, proc.output()
