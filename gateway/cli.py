@@ -12,7 +12,13 @@ from collections.abc import Sequence
 import uvicorn
 from uvicorn.config import LOG_LEVELS
 
-from backends.sim.base import MAX_DELAY_MS, MAX_SPEED, MIN_SPEED
+from backends.sim.base import (
+    DEFAULT_ITL_MS,
+    DEFAULT_TTFT_MS,
+    MAX_DELAY_MS,
+    MAX_SPEED,
+    MIN_SPEED,
+)
 from gateway.config_file import read_config_file
 from gateway.config_warnings import config_warnings, ignored_environment
 from gateway.embedded import DEFAULT_MODEL
@@ -155,6 +161,21 @@ def _sim(args: argparse.Namespace) -> int:
 
         print(calibration_table())
         return 0
+    if args.profile and any(getattr(args, n) is not None for n in ("ttft_ms", "itl_ms")):
+        # A profile's latencies come from its cost model: taking the flag silently would
+        # run another engine than the one asked for.
+        flags = (("--ttft-ms", args.ttft_ms), ("--itl-ms", args.itl_ms))
+        given = [flag for flag, value in flags if value is not None]
+        print(
+            f"kneecap sim: {' and '.join(given)} set a fixed-latency engine; a --profile "
+            "has its own latencies (use one or the other)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.ttft_ms is None:
+        args.ttft_ms = DEFAULT_TTFT_MS
+    if args.itl_ms is None:
+        args.itl_ms = DEFAULT_ITL_MS
     try:
         if args.profile and args.engine is not None:
             from backends.sim.profiles import engine_conflict
@@ -250,8 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--port", type=_port, default=8100)
     sim.add_argument("--model", default=DEFAULT_MODEL)
     sim.add_argument("--profile", help="calibrated engine profile, e.g. qwen3-4b/l40s/bf16/vllm")
-    sim.add_argument("--ttft-ms", type=_delay_ms, default=50.0, help="fixed TTFT when no profile")
-    sim.add_argument("--itl-ms", type=_delay_ms, default=15.0, help="fixed ITL when no profile")
+    fixed = "fixed {}, without a profile (default {:g})"
+    sim.add_argument("--ttft-ms", type=_delay_ms, help=fixed.format("TTFT", DEFAULT_TTFT_MS))
+    sim.add_argument("--itl-ms", type=_delay_ms, help=fixed.format("ITL", DEFAULT_ITL_MS))
     sim.add_argument(
         "--speed",
         type=_speed,

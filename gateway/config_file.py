@@ -87,6 +87,8 @@ def read_config_file(path: str | Path, *, allow_empty: bool = True) -> dict[str,
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    except RecursionError:  # PyYAML builds nested collections recursively
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
     if data is None:
         if not allow_empty:
             raise ConfigError(

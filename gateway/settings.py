@@ -27,7 +27,13 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
-from backends.sim.base import MAX_DELAY_MS, MAX_SPEED, MIN_SPEED
+from backends.sim.base import (
+    DEFAULT_ITL_MS,
+    DEFAULT_TTFT_MS,
+    MAX_DELAY_MS,
+    MAX_SPEED,
+    MIN_SPEED,
+)
 from gateway.config_file import ConfigError, format_validation_error, read_config_file
 from policies.base import refuse_yes_or_no_for_numbers
 from policies.knee import KneeLimitConfig
@@ -70,13 +76,21 @@ class SimConfig(Frozen):
     """An in-process simulated backend that ``kneecap serve`` starts itself."""
 
     profile: str | None = None  # a calibrated engine profile; None → fixed latencies
-    ttft_ms: float = Field(50.0, ge=0, le=MAX_DELAY_MS)
-    itl_ms: float = Field(15.0, ge=0, le=MAX_DELAY_MS)
+    ttft_ms: float = Field(DEFAULT_TTFT_MS, ge=0, le=MAX_DELAY_MS)
+    itl_ms: float = Field(DEFAULT_ITL_MS, ge=0, le=MAX_DELAY_MS)
     speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
     seed: int = 0
 
     @model_validator(mode="after")
     def _known_profile(self) -> SimConfig:
+        fixed = sorted({"ttft_ms", "itl_ms"} & self.model_fields_set)
+        if self.profile is not None and fixed:
+            # A profile's latencies come from its cost model: taken quietly, these would
+            # be ignored, and another engine run than the one described.
+            raise ValueError(
+                f"{' and '.join(fixed)} set a fixed-latency engine; `profile` has its own "
+                "latencies (give one or the other)"
+            )
         if self.profile is not None:
             from backends.sim.profiles import get_profile  # the simulator, only when named
 
@@ -223,9 +237,9 @@ class PoolConfig(Frozen):
 
 
 class HealthConfig(Frozen):
-    interval_s: float = Field(2.0, gt=0)
+    interval_s: float = Field(2.0, gt=0, allow_inf_nan=False)  # inf would never probe
     # An engine busy at full batch can take seconds to answer; too short flaps it.
-    timeout_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False)
     path: str = Field("/health", pattern=r"^/")  # appended to each backend's URL
     # Passive ejection (Envoy's outlier detection): this many consecutive failed requests
     # take a backend out for ejection_s times its ejections in a row, at most max_ejection_s;
@@ -261,7 +275,7 @@ class UpstreamConfig(Frozen):
 
 class AdmissionConfig(Frozen):
     limit: LimitConfig = KneeLimitConfig()  # every backend's, unless it sets its own
-    control_interval_s: float = Field(1.0, gt=0)
+    control_interval_s: float = Field(1.0, gt=0, allow_inf_nan=False)
 
 
 class EstimatorConfig(Frozen):
@@ -354,7 +368,7 @@ class MeasurementConfig(Frozen):
     # Rolling window of TTFT/ITL/tokens per backend; keep it <= the knee controller's
     # settle_s so that each judgement sees the level it judges.
     window_s: float = Field(5.0, gt=0)
-    scrape_interval_s: float = Field(1.0, gt=0)  # engines' own /metrics
+    scrape_interval_s: float = Field(1.0, gt=0, allow_inf_nan=False)  # engines' own /metrics
     scrape_staleness_s: float = Field(5.0, gt=0)  # older engine figures count as absent
 
 

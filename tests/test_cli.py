@@ -340,3 +340,19 @@ def test_kneecap_sim_announces_the_port_it_bound(tmp_path: Path) -> None:
         assert httpx.get(url + "/health", timeout=5).status_code == 200
     finally:
         assert proc.stop(signal.SIGINT) == 0, proc.output()
+
+
+@pytest.mark.parametrize("flags", [["--ttft-ms", "5"], ["--itl-ms", "3"]])
+def test_sim_refuses_fixed_latencies_beside_a_profile(flags: list[str]) -> None:
+    result = run_cli("sim", "--port", "0", "--profile", "qwen3-4b/l40s/bf16/vllm", *flags)
+    assert result.returncode == 2
+    assert f"{flags[0]} set a fixed-latency engine" in result.stderr, result.stderr
+
+
+def test_check_config_names_a_file_nested_too_deeply(tmp_path: Path) -> None:
+    """PyYAML builds nested lists recursively: a traceback, before, not the file's name."""
+    path = tmp_path / "deep.yaml"
+    path.write_text("backends: " + "[" * 5000 + "]" * 5000 + "\n")
+    result = run_cli("check-config", str(path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{path}: nested too deeply to be a config" in result.stderr + result.stdout

@@ -307,3 +307,40 @@ def test_a_pool_named_by_digits_may_still_be_set_from_the_environment(
 )
 def test_an_empty_host_or_an_absurd_sim_speed_is_refused(config: dict, path: str) -> None:
     assert path in refusal(config)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"health": {"interval_s": float("inf")}},  # never a probe again
+        {"health": {"timeout_s": float("inf")}},
+        {"admission": {"control_interval_s": float("inf")}},
+        {"measurement": {"scrape_interval_s": float("inf")}},
+    ],
+)
+def test_a_loop_interval_that_never_comes_round_is_refused(config: dict[str, Any]) -> None:
+    ((section, values),) = config.items()
+    ((key, _),) = values.items()
+    message = refusal(config)
+    assert f"{section}.{key}" in message and "finite" in message, message
+
+
+@pytest.mark.parametrize("fixed", [{"ttft_ms": 5}, {"itl_ms": 3}, {"ttft_ms": 50, "itl_ms": 15}])
+def test_fixed_latencies_beside_a_sim_profile_are_refused(fixed: dict[str, float]) -> None:
+    """Before, the profile's engine ran and the latencies were dropped without a word."""
+    sim = {"profile": "qwen3-4b/l40s/bf16/vllm", **fixed}
+    message = refusal({"backends": [{"name": "s", "sim": sim}]})
+    assert "backends.0.sim" in message and "fixed-latency engine" in message, message
+    assert " and ".join(sorted(fixed)) in message
+
+
+def test_a_sim_profile_alone_or_latencies_alone_are_taken() -> None:
+    backends = [
+        {"name": "p", "sim": {"profile": "qwen3-4b/l40s/bf16/vllm"}},
+        {"name": "f", "sim": {"ttft_ms": 5, "itl_ms": 2}},
+    ]
+    sims = [b.sim for b in build_settings({"backends": backends}).backends]
+    assert [(s.profile, s.ttft_ms, s.itl_ms) for s in sims] == [
+        ("qwen3-4b/l40s/bf16/vllm", 50.0, 15.0),
+        (None, 5.0, 2.0),
+    ]

@@ -28,6 +28,9 @@ MAX_SPEED = 1000.0
 # A fixed TTFT or ITL: no engine takes an hour per token; 1e308 ms slept forever, or
 # overflowed the clock.
 MAX_DELAY_MS = 3_600_000.0
+# The fixed-latency engine's, when none is given (`kneecap sim`, `sim:` without a profile).
+DEFAULT_TTFT_MS = 50.0
+DEFAULT_ITL_MS = 15.0
 
 
 @dataclass(frozen=True, slots=True)
