@@ -19,19 +19,30 @@ from policies.routing import RouteRequest
 from policies.token_budget import Claim
 
 
-def make_could_use(route: Route, tried: set[str]) -> Callable[[Claim[Replica]], bool]:
+class Planned:
+    """A waiter's route as its last ``pick()`` planned it, shared with its ``could_use``:
+    a waiter planned onto another pool (its home lost its replicas) could use that pool's
+    replicas, and a release there must ask it."""
+
+    __slots__ = ("route",)
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+
+
+def make_could_use(planned: Planned, tried: set[str]) -> Callable[[Claim[Replica]], bool]:
     """Whether this request could be served on a claim's replica: admission lets a request
     go ahead of waiters only onto replicas none of them could use."""
-    pools = frozenset(route.pools)
 
     def could_use(claim: Claim[Replica]) -> bool:
-        return claim.backend.pool in pools and route.could_serve(claim.backend, tried)
+        route = planned.route
+        return claim.backend.pool in route.pools and route.could_serve(claim.backend, tried)
 
     return could_use
 
 
 def make_pick(
-    runtime: Runtime, route: Route, tried: set[str]
+    runtime: Runtime, planned: Planned, tried: set[str]
 ) -> Callable[[], Claim[Replica] | None]:
     """The router for admission: home pool first, then lenders' idle headroom.
 
@@ -39,6 +50,7 @@ def make_pick(
     could serve it while it waits, it is planned again (:func:`live_route`): served where
     a request arriving now would be, behind that pool's own waiters, or refused at once
     (NoHealthyBackend) when nothing serves it any more."""
+    route = planned.route  # as it arrived: each pick() plans from it again
     config = runtime.current.settings.routing
     request = RouteRequest(cost=route.cost, session=route.session)
     sequences = route.shape.sequences
@@ -65,6 +77,7 @@ def make_pick(
                 raise NoHealthyBackend(message)
             # With no candidate at all, it waits for a new replica's first verdict (a probe
             # round starts at once).
+        planned.route = live  # what its could_use answers by, until the next pick()
         chosen = choose_across_pools(
             live.plan,
             request,

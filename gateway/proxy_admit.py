@@ -4,7 +4,7 @@ released, with the other pools' waiters told of the room."""
 from __future__ import annotations
 
 from backends.replica import Replica
-from gateway.admission_pick import make_could_use, make_pick
+from gateway.admission_pick import Planned, make_could_use, make_pick
 from gateway.errors import GatewayError, RateLimited, Unavailable
 from gateway.placement import Route
 from gateway.recording import Flight
@@ -35,8 +35,9 @@ async def admit(
     tried: set[str],
 ) -> Lease[Claim[Replica]]:
     pool = flight.pool
-    pick = make_pick(runtime, route, tried)
-    could_use = make_could_use(route, tried)
+    planned = Planned(route)
+    pick = make_pick(runtime, planned, tried)
+    could_use = make_could_use(planned, tried)
     try:
         return await runtime.admission(pool).acquire(
             pick, priority=priority, deadline=deadline, could_use=could_use

@@ -21,7 +21,7 @@ from anyio import wait_all_tasks_blocked
 from policies.admission import Outcome, PoolAdmission, Priority
 from tests.procs import Gateway, Proc, start_gateway, start_raw_sse, wait_until
 from tests.test_admission import FAR, Backend, first_with_room, pool
-from tests.test_reload_live import HEAD, chat, held_chat, poke, sse
+from tests.test_reload_live import HEAD, chat, held_chat, poke, reload, sse
 
 CHAT = "/v1/chat/completions"
 STATIC_1 = {"kind": "static", "initial": 1, "min": 1, "max": 1}
@@ -233,3 +233,70 @@ def test_a_request_is_served_on_its_idle_backend_behind_six_for_a_busy_one(
         assert [f.result(timeout=30).status_code for f in for_x] == [200] * 6
     client.close()
     gw.proc.stop()
+
+
+def test_a_waiter_planned_onto_another_pool_is_served_when_a_backend_there_frees(
+    tmp_path: Path,
+) -> None:
+    """W (model m) waits in `short` behind H (model n); a reload removes `short`'s only m
+    backend, so W is planned onto `long`'s l1. l1 frees: its release must ask W, whose
+    could_use had been built from W's first route (`short` only). Before, only the control
+    tick's full pass served it; with ticks 30 s apart, W sat out its queue deadline (429)
+    beside an idle l1."""
+    raws = {name: start_raw_sse(tmp_path) for name in ("s1", "s2", "l1")}
+
+    def entry(name: str, pool: str, model: str) -> dict[str, Any]:
+        url = raws[name].url
+        return {"name": name, "url": url, "pool": pool, "models": [model], "limit": STATIC_1}
+
+    bound = {"max_queue_depth": 32, "max_queue_wait_s": 20}
+    config = {
+        "backends": [
+            entry("s1", "short", "m"),
+            entry("s2", "short", "n"),
+            entry("l1", "long", "m"),
+        ],
+        "pools": {
+            "short": {"max_prompt_tokens": 1000, **bound},
+            "long": {"min_prompt_tokens": 1000, **bound},
+        },
+        "health": {"interval_s": 60},
+        "admission": {"control_interval_s": 30},
+        "routing": {"token_budget": {"enabled": False}, "spill": {"to_longer": False}},
+    }
+    gw = start_gateway(tmp_path, config)
+    client = httpx.Client(timeout=30)
+    try:
+        hold_s2, hold_s1 = held(client, gw, "n"), held(client, gw, "m")
+        long_prompt = {**held_chat(), "model": "m"}
+        long_prompt["messages"] = [{"role": "user", "content": "word " * 3000}]
+        response = client.send(
+            client.build_request("POST", gw.url + CHAT, json=long_prompt), stream=True
+        )
+        hold_l1 = response.iter_raw()
+        next(hold_l1)
+
+        def depth() -> int:
+            return gw.state()["pools"]["short"]["queue_depth"]
+
+        with ThreadPoolExecutor(2) as threads:
+            head = threads.submit(post, gw, answered("n"))
+            wait_until(lambda: depth() == 1, timeout=10)
+            waiter = threads.submit(post, gw, answered("m"))
+            wait_until(lambda: depth() == 2, timeout=10)
+            reload(gw, {**config, "backends": config["backends"][1:]})  # s1 gone
+            assert depth() == 2  # W could not start on l1 yet: it is held
+            poke(raws["l1"], 1)
+            assert b"".join(hold_l1).endswith(b"[DONE]\n\n")
+            answer = waiter.result(timeout=25)
+            assert (answer.status_code, answer.headers.get("x-kneecap-backend")) == (200, "l1")
+            poke(raws["s2"], 1)
+            assert b"".join(hold_s2).endswith(b"[DONE]\n\n")
+            assert head.result(timeout=10).status_code == 200
+        poke(raws["s1"], 1)
+        assert b"".join(hold_s1).endswith(b"[DONE]\n\n")
+    finally:
+        client.close()
+        gw.proc.stop()
+        for proc in raws.values():
+            proc.stop()
