@@ -30,15 +30,34 @@ class Planned:
         self.route = route
 
 
-def make_could_use(planned: Planned, tried: set[str]) -> Callable[[Claim[Replica]], bool]:
+class CouldUse:
     """Whether this request could be served on a claim's replica: admission lets a request
-    go ahead of waiters only onto replicas none of them could use."""
+    go ahead of waiters only onto replicas none of them could use.
 
-    def could_use(claim: Claim[Replica]) -> bool:
-        route = planned.route
-        return claim.backend.pool in route.pools and route.could_serve(claim.backend, tried)
+    ``kind()`` is the replicas it could use now, by name: two waiters of one kind want
+    the same, so a pass past a blocked head asks one of each kind, not every waiter (a
+    request's own ``could_use`` never equals another's)."""
 
-    return could_use
+    __slots__ = ("_planned", "_runtime", "_tried")
+
+    def __init__(self, runtime: Runtime, planned: Planned, tried: set[str]) -> None:
+        self._runtime = runtime
+        self._planned = planned
+        self._tried = tried
+
+    def __call__(self, claim: Claim[Replica]) -> bool:
+        route = self._planned.route
+        return claim.backend.pool in route.pools and route.could_serve(claim.backend, self._tried)
+
+    def kind(self) -> frozenset[str]:
+        route, tried = self._planned.route, self._tried
+        backends = self._runtime.current.backends
+        return frozenset(
+            r.name
+            for pool in route.pools
+            for r in backends.in_pool(pool)
+            if route.could_serve(r, tried)
+        )
 
 
 def make_pick(

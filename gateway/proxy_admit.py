@@ -4,7 +4,7 @@ released, with the other pools' waiters told of the room."""
 from __future__ import annotations
 
 from backends.replica import Replica
-from gateway.admission_pick import Planned, make_could_use, make_pick
+from gateway.admission_pick import CouldUse, Planned, make_pick
 from gateway.errors import GatewayError, RateLimited, Unavailable
 from gateway.placement import Route
 from gateway.recording import Flight
@@ -37,7 +37,7 @@ async def admit(
     pool = flight.pool
     planned = Planned(route)
     pick = make_pick(runtime, planned, tried)
-    could_use = make_could_use(planned, tried)
+    could_use = CouldUse(runtime, planned, tried)
     try:
         return await runtime.admission(pool).acquire(
             pick, priority=priority, deadline=deadline, could_use=could_use

@@ -18,7 +18,8 @@ Looking past a blocked head costs a ``pick()`` per waiter; a release says where 
 room is, so a dispatch after one asks only the waiters that could use that backend,
 and stops at the first blocked one that could (in a pool whose requests all want
 the same backends: the head). ``notify()``, whose room may be anywhere, asks each
-kind of waiter (an equal ``could_use``) once.
+kind of waiter once (an equal ``could_use``, or an equal ``could_use.kind()``: the
+gateway's is the replicas a request could use now).
 Everything here runs on one event loop thread; all mutation is synchronous, so
 there are no await points at which the counts could tear.
 
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
@@ -303,13 +304,13 @@ class PoolAdmission(Generic[T]):
         no blocked waiter before them could use, asking each waiter only if it may get
         something: with ``room`` known, one that could use it, until a blocked waiter
         could (it then keeps the rest off it); without, one unlike every blocked waiter
-        before it (whatever it got, an equal ``could_use`` before it wants)."""
+        before it (whatever it got, one of the same :func:`_kind` before it wants)."""
         if head.could_use is None:
             return  # it may want anything: nobody goes ahead of it
         if room is not None and head.could_use(room):
             return
         ahead = [head]
-        blocked = {head.could_use}
+        blocked = {_kind(head.could_use)}
         for waiter in list(self._queue):
             if waiter is head:
                 continue
@@ -318,7 +319,8 @@ class PoolAdmission(Generic[T]):
             if room is not None and not waiter.could_use(room):
                 ahead.append(waiter)  # nothing it could use gained room: still blocked
                 continue
-            if waiter.could_use in blocked:
+            kind = _kind(waiter.could_use)
+            if kind in blocked:
                 continue
             try:
                 backend = waiter.pick()
@@ -328,7 +330,7 @@ class PoolAdmission(Generic[T]):
                 if room is not None:
                     return  # it could use the room: nobody behind it may take that
                 ahead.append(waiter)
-                blocked.add(waiter.could_use)
+                blocked.add(kind)
                 continue
             self._queue.remove(waiter, waiter.priority)
             self._grant(waiter, backend, now)
@@ -437,3 +439,11 @@ class PoolAdmission(Generic[T]):
             waited=waited,
             retry_after=self.retry_after(),
         )
+
+
+def _kind(could_use: Callable[[T], bool]) -> Hashable:
+    """What a waiter could use, comparable across waiters: its ``could_use.kind()`` where it
+    has one (the gateway's: the replicas it could use now, as each request has a
+    ``could_use`` of its own), else the function itself."""
+    kind = getattr(could_use, "kind", None)
+    return could_use if kind is None else kind()
