@@ -355,6 +355,7 @@ class Runtime:
                 # (requests meanwhile wait with it), while its requests in flight, on the
                 # same engine, still count against its limit.
                 renamed.healthy = renamed.probed = False
+                renamed.ejected_until = None  # else its probes, ignored while held, never come
         return BackendSet.named(kept)
 
     def reload(self) -> ReloadResult:

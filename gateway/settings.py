@@ -192,13 +192,20 @@ def _check_url(url: str) -> None:
     first (a reload's checks, a connection) after the config was taken."""
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"url must start with http:// or https://, got {url!r}")
+    if any(char.isspace() for char in url):
+        raise ValueError(f"url {url!r} holds a space")
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018  # raises on a port out of range or not a number
+        port = parts.port  # raises on a port out of range or not a number
     except ValueError as exc:
         raise ValueError(f"url {url!r} is not a valid URL: {exc}") from None
     if not parts.hostname:
         raise ValueError(f"url {url!r} names no host")
+    if port == 0:  # a connection would go to the scheme's port instead
+        raise ValueError(f"url {url!r}: port 0 is no port to connect to")
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        # Request paths are appended to the URL: a query or fragment would swallow them.
+        raise ValueError(f"url {url!r}: a backend URL has no query or fragment")
 
 
 class PoolConfig(Frozen):

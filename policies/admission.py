@@ -164,6 +164,7 @@ class PoolAdmission(Generic[T]):
         self._drain_window_s = drain_window_s
         self._releases: deque[float] = deque()  # release times within the drain window
         self._spells: deque[tuple[float, float]] = deque()  # busy spells ended in the window
+        self._spells_s = 0.0  # their lengths' sum: a refusal reads it, not every spell
         self._busy_since: float | None = None  # start of the busy spell under way
         self._next_expiry = float("inf")
         self._leased = 0
@@ -388,13 +389,16 @@ class PoolAdmission(Generic[T]):
     def _end_spell_if_idle(self, now: float) -> None:
         if self._busy_since is not None and not self._leased and not len(self._queue):
             self._spells.append((self._busy_since, now))
+            self._spells_s += now - self._busy_since
             self._busy_since = None
             self._forget_spells(now)  # a pool that never refuses must not keep them all
 
     def _busy_time(self, now: float) -> float:
         """Seconds within the drain window that the pool had leases out or waiters."""
         horizon = self._forget_spells(now)
-        busy = sum(end - max(start, horizon) for start, end in self._spells)
+        busy = self._spells_s
+        if self._spells:  # spells are in order, apart: only the oldest can begin before it
+            busy -= max(0.0, horizon - self._spells[0][0])
         if self._busy_since is not None:
             busy += now - max(self._busy_since, horizon)
         return busy
@@ -425,7 +429,10 @@ class PoolAdmission(Generic[T]):
     def _forget_spells(self, now: float) -> float:
         horizon = now - self._drain_window_s
         while self._spells and self._spells[0][1] <= horizon:
-            self._spells.popleft()
+            start, end = self._spells.popleft()
+            self._spells_s -= end - start
+        if not self._spells:
+            self._spells_s = 0.0  # no float drift carried over from the spells gone
         return horizon
 
     def _forget_releases(self, now: float) -> None:

@@ -56,6 +56,11 @@ def test_a_backend_key_from_an_unset_variable_is_refused(monkeypatch: pytest.Mon
         ("http://h:8000x", "is not a valid URL"),
         ("http://[::1", "is not a valid URL"),
         ("http://:8000", "names no host"),
+        ("http://h:0", "port 0 is no port"),
+        ("http://h :8000", "holds a space"),
+        ("http://h:8000/v1?x=1", "no query or fragment"),
+        ("http://h:8000#top", "no query or fragment"),
+        ("http://h:8000?", "no query or fragment"),
     ],
 )
 def test_a_backend_url_nothing_could_connect_to_is_refused_at_its_key(url: str, words: str) -> None:

@@ -83,6 +83,36 @@ def test_a_backend_failing_every_request_stays_out_while_its_health_says_200(
         good.stop()
 
 
+def test_a_backend_renamed_while_ejected_is_probed_afresh(tmp_path: Path) -> None:
+    """A rename at the same URL makes the backend new to its probes, which requests for its
+    model wait on; its ejection, kept, made every probe ignored for the whole hold, and
+    those requests sat out their queue deadlines."""
+    good = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
+    bad = start_ops_backend(tmp_path, post_status=500)
+    config = {
+        "backends": [backend("bad", bad.url), backend("good", good.url)],
+        "health": {"interval_s": 0.1, "failure_threshold": 2},
+        "upstream": {"max_attempts": 1},
+        "routing": {"policy": "least_loaded"},  # deterministic: `bad` first on ties
+    }
+    gw = start_gateway(tmp_path, config)
+    try:
+        for _ in range(2):
+            answer = httpx.post(gw.url + "/v1/completions", json=COMPLETION, timeout=10)
+            assert answer.status_code == 500
+        assert healthy(gw) == {"bad": False, "good": True}
+        renamed = {**config, "backends": [backend("bad2", bad.url), backend("good", good.url)]}
+        reload(gw, renamed)
+        # Its /health says 200: the first probe after the rename takes it back in.
+        wait_until(lambda: healthy(gw) == {"bad2": True, "good": True}, timeout=10)
+        views = {b["name"]: b["ejection"] for b in gw.state()["backends"]}
+        assert views == {"bad2": None, "good": None}
+    finally:
+        gw.proc.stop()
+        bad.stop()
+        good.stop()
+
+
 def test_the_last_backend_in_rotation_is_never_ejected(tmp_path: Path) -> None:
     """Alone in its pool, a backend failing every request stays in: its clients get the
     engine's own 500, not 503 for ``ejection_s`` and more."""

@@ -8,6 +8,7 @@ its previous burst, idle spell included: 1 s of work, 8 s idle, and the next bur
 
 from __future__ import annotations
 
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -120,3 +121,34 @@ def test_the_429s_after_a_short_idle_spell_advise_the_busy_drain_rate(
     finally:
         client.close()
         gw.proc.stop()
+
+
+@pytest.mark.anyio
+async def test_the_busy_time_kept_as_a_sum_is_the_spells_within_the_window() -> None:
+    """The busy time a refusal reads is a running sum, not a walk over every spell (a pool
+    at low load makes one per request): the same as the spells' overlap with the window,
+    over 2,000 random lease/release steps."""
+    rng = random.Random(7)
+    clock = Clock()
+    b = Backend("a", limit=3)
+    pick = first_with_room(b)
+    adm = pool(clock, depth=1)
+    leases = []
+    spells: list[list[float]] = []  # [start, end]; end is -1 while it runs
+    for _ in range(2000):
+        clock.now += rng.choice((0.0, 0.01, 0.3, 2.0, 7.0))
+        if leases and (len(leases) == 3 or rng.random() < 0.5):
+            leases.pop(rng.randrange(len(leases))).release(Outcome.SUCCESS)
+            if not leases:
+                spells[-1][1] = clock.now
+        else:
+            if not leases:
+                spells.append([clock.now, -1.0])
+            leases.append(await adm.acquire(pick, priority=Priority.INTERACTIVE, deadline=FAR))
+        horizon = clock.now - 10.0
+        expected = sum(
+            (clock.now if end < 0 else end) - max(start, horizon)
+            for start, end in spells
+            if end < 0 or end > horizon
+        )
+        assert adm._busy_time(clock.now) == pytest.approx(expected, abs=1e-9)
