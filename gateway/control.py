@@ -41,27 +41,32 @@ def sample_of(replica: Replica, now: float, engine: EngineGauges | None, demand:
 
 @dataclass(slots=True)
 class _Control:
+    replica: Replica  # the one it learned: an id may be a new object's once that one is gone
     config: LimitConfig
     controller: LimitController
 
 
 class LimitLoop:
+    """A controller per replica object, not per name: what it learned is that engine's, so
+    a backend renamed at its URL (the same replica, see ``Runtime._keepable``) keeps it, and
+    one re-addressed (a new replica: another engine, maybe) starts afresh."""
+
     def __init__(self) -> None:
-        self._controls: dict[str, _Control] = {}
+        self._controls: dict[int, _Control] = {}
 
     def sync(
         self, replicas: Iterable[Replica], config_of: Callable[[Replica], LimitConfig]
     ) -> None:
         """Startup and reload: a controller per replica, limits applied at once."""
-        live: dict[str, _Control] = {}
+        live: dict[int, _Control] = {}
         for replica in replicas:
             config = config_of(replica)
-            control = self._controls.get(replica.name)
+            control = self._control_of(replica)
             if control is None:
-                control = _Control(config, build_controller(config))
+                control = _Control(replica, config, build_controller(config))
             elif control.config != config:
-                control = _Control(config, reconfigure(control.controller, config))
-            live[replica.name] = control
+                control = _Control(replica, config, reconfigure(control.controller, config))
+            live[id(replica)] = control
             replica.limit = control.controller.limit
         self._controls = live
 
@@ -75,7 +80,7 @@ class LimitLoop:
         """Feed every controller one sample; True when some limit went up."""
         raised = False
         for replica in replicas:
-            control = self._controls.get(replica.name)
+            control = self._control_of(replica)
             if control is None:
                 continue
             sample = sample_of(replica, now, engine_of(replica), demand_of(replica))
@@ -83,3 +88,7 @@ class LimitLoop:
             raised |= limit > replica.limit
             replica.limit = limit
         return raised
+
+    def _control_of(self, replica: Replica) -> _Control | None:
+        control = self._controls.get(id(replica))
+        return control if control is not None and control.replica is replica else None

@@ -12,8 +12,12 @@ import httpx
 import pytest
 
 from backends.pool import BackendSet
+from backends.replica import Replica
+from gateway.control import LimitLoop
 from gateway.settings import BackendConfig
+from policies.static import StaticLimitConfig
 from tests.procs import MODEL, Proc, backend, served, start_gateway, start_sim, wait_until
+from tests.test_limit_static import CONFIG
 
 URL = "http://127.0.0.1:9"
 STATIC_2 = {"kind": "static", "initial": 2, "min": 1, "max": 2}
@@ -81,3 +85,24 @@ def test_a_backend_renamed_at_its_url_keeps_its_requests_in_flight(
         assert gw.state()["backends"][0]["in_flight"] == 0
     finally:
         gw.proc.stop()
+
+
+def test_a_renamed_backend_keeps_its_controller_and_a_re_addressed_one_starts_afresh() -> None:
+    """Controllers were kept by name: a rename at the same URL (the same replica, the same
+    engine) lost what its controller had, and a new engine at a re-used name inherited it.
+    Here the rename comes with a switch from static to gradient: a carried controller
+    hands its limit over; a fresh gradient one starts at its ``min``."""
+    url = "http://127.0.0.1:9"
+    replica = Replica(config=BackendConfig(name="a", url=url, models=[MODEL]), url=url)
+    loop = LimitLoop()
+    loop.sync([replica], lambda _: StaticLimitConfig(initial=32))
+    assert replica.limit == 32
+    gradient = CONFIG.validate_python({"kind": "gradient", "min": 3})
+    replica.config = BackendConfig(name="a-renamed", url=url, models=[MODEL])
+    loop.sync([replica], lambda _: gradient)
+    assert replica.limit == 32  # before: 3, a controller new to it
+    elsewhere = "http://127.0.0.1:10"
+    config = BackendConfig(name="a-renamed", url=elsewhere, models=[MODEL])
+    moved = Replica(config=config, url=elsewhere)
+    loop.sync([moved], lambda _: gradient)
+    assert moved.limit == 3  # another engine: nothing learned of it yet
