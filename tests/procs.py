@@ -22,6 +22,8 @@ from typing import Any
 import httpx
 import yaml
 
+from tests.raw_sse_backend import MODEL as RAW_MODEL
+
 MODEL = "Qwen/Qwen3-4B"
 
 
@@ -179,6 +181,27 @@ def start_gateway(tmp: Path, config: dict[str, Any], env: dict[str, str] | None 
         env,
     )
     return Gateway(proc, path, config)
+
+
+def served_gateway(tmp: Path, config: dict[str, Any]) -> Iterator[Gateway]:
+    """A fixture's body for a gateway: started on ``config``, yielded, stopped afterwards."""
+    gateway = start_gateway(tmp, config)
+    try:
+        yield gateway
+    finally:
+        gateway.proc.stop()
+
+
+def scripted_config(raw: Proc, read_timeout_s: float = 5, **extra: Any) -> dict[str, Any]:
+    """A gateway in front of a scripted backend (``tests.raw_sse_backend``) as its one
+    backend ``raw``, whatever the script does: probes that never eject it, one attempt a
+    request. ``extra`` adds or replaces top-level keys (``backends`` too)."""
+    return {
+        "backends": [{"name": "raw", "url": raw.url, "pool": "short", "models": [RAW_MODEL]}],
+        "health": {"interval_s": 30, "failure_threshold": 1000},
+        "upstream": {"read_timeout_s": read_timeout_s, "max_attempts": 1},
+        **extra,
+    }
 
 
 def backend(name: str, url: str, pool: str = "short", **extra: Any) -> dict[str, Any]:

@@ -20,7 +20,16 @@ import httpx
 import pytest
 
 from gateway.relay import MAX_HELD_EVENT_BYTES
-from tests.procs import Gateway, Proc, served, start_gateway, start_raw_sse, wait_until
+from tests.procs import (
+    Gateway,
+    Proc,
+    scripted_config,
+    served,
+    served_gateway,
+    start_gateway,
+    start_raw_sse,
+    wait_until,
+)
 from tests.raw_sse_backend import MODEL
 from tests.test_proxy_wire import idle, metric_sum, new_id, record_of, records
 
@@ -85,16 +94,7 @@ def raw(module_tmp: Path) -> Iterator[Proc]:
 
 @pytest.fixture(scope="module")
 def gw(module_tmp: Path, raw: Proc) -> Iterator[Gateway]:
-    config = {
-        "backends": [{"name": "raw", "url": raw.url, "pool": "short", "models": [MODEL]}],
-        "health": {"interval_s": 30, "failure_threshold": 1000},
-        "upstream": {"read_timeout_s": 1, "max_attempts": 1},
-    }
-    gateway = start_gateway(module_tmp, config)
-    try:
-        yield gateway
-    finally:
-        gateway.proc.stop()
+    yield from served_gateway(module_tmp, scripted_config(raw, read_timeout_s=1))
 
 
 def body(script: list[list[Any]], stream: bool = True, asked: bool = False) -> dict[str, Any]:

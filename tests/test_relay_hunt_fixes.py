@@ -13,7 +13,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import Gateway, Proc, served, start_gateway, start_raw_sse, start_sim
+from tests.procs import (
+    Gateway,
+    Proc,
+    scripted_config,
+    served,
+    served_gateway,
+    start_gateway,
+    start_raw_sse,
+    start_sim,
+)
 from tests.raw_sse_backend import MODEL
 from tests.test_proxy_wire import RawConnection, new_id, post_bytes, record_of
 from tests.test_relay_edge_cases import CHAT, body
@@ -33,22 +42,14 @@ def raw(module_tmp: Path) -> Iterator[Proc]:
 
 @pytest.fixture(scope="module")
 def gw(module_tmp: Path, raw: Proc) -> Iterator[Gateway]:
-    config = {
-        "backends": [
-            {"name": "raw", "url": raw.url, "pool": "short", "models": [MODEL], "limit": STATIC_1},
-            # The same process under another model name: a request that holds none of
-            # the other's permits.
-            {"name": "other", "url": raw.url, "pool": "short", "models": ["other"]},
-        ],
-        "pools": {"short": {"max_queue_depth": 8, "max_queue_wait_s": 1.0}},
-        "health": {"interval_s": 30, "failure_threshold": 1000},
-        "upstream": {"read_timeout_s": 5, "max_attempts": 1},
-    }
-    gateway = start_gateway(module_tmp, config)
-    try:
-        yield gateway
-    finally:
-        gateway.proc.stop()
+    backends = [
+        {"name": "raw", "url": raw.url, "pool": "short", "models": [MODEL], "limit": STATIC_1},
+        # The same process under another model name: a request that holds none of the
+        # other's permits.
+        {"name": "other", "url": raw.url, "pool": "short", "models": ["other"]},
+    ]
+    pools = {"short": {"max_queue_depth": 8, "max_queue_wait_s": 1.0}}
+    yield from served_gateway(module_tmp, scripted_config(raw, backends=backends, pools=pools))
 
 
 def _completion(prompt: int = 3, completion: int = 1) -> bytes:

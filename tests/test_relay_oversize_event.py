@@ -20,8 +20,14 @@ import pytest
 
 from gateway.relay import MAX_HELD_EVENT_BYTES
 from gateway.sse import RELEASED_KEPT_BYTES, SSEFramer
-from tests.procs import Gateway, Proc, served, start_gateway, start_raw_sse
-from tests.raw_sse_backend import MODEL
+from tests.procs import (
+    Gateway,
+    Proc,
+    scripted_config,
+    served,
+    served_gateway,
+    start_raw_sse,
+)
 from tests.test_proxy_wire import metric_sum
 from tests.test_relay_edge_cases import (
     DONE,
@@ -69,16 +75,7 @@ def raw(module_tmp: Path) -> Iterator[Proc]:
 
 @pytest.fixture(scope="module")
 def gw(module_tmp: Path, raw: Proc) -> Iterator[Gateway]:
-    config = {
-        "backends": [{"name": "raw", "url": raw.url, "pool": "short", "models": [MODEL]}],
-        "health": {"interval_s": 30, "failure_threshold": 1000},
-        "upstream": {"read_timeout_s": 5, "max_attempts": 1},
-    }
-    gateway = start_gateway(module_tmp, config)
-    try:
-        yield gateway
-    finally:
-        gateway.proc.stop()
+    yield from served_gateway(module_tmp, scripted_config(raw))
 
 
 def test_after_an_oversize_event_the_usage_chunk_is_still_stripped_and_counted(

@@ -17,8 +17,14 @@ import pytest
 
 from gateway.meter import FLUSH_INTERVAL_S, StreamMeter, Usage
 from gateway.window import RollingWindow
-from tests.procs import Gateway, Proc, served, start_gateway, start_raw_sse
-from tests.raw_sse_backend import MODEL
+from tests.procs import (
+    Gateway,
+    Proc,
+    scripted_config,
+    served,
+    served_gateway,
+    start_raw_sse,
+)
 from tests.test_relay_edge_cases import (
     CHAT,
     DONE,
@@ -111,18 +117,9 @@ def raw(module_tmp: Path) -> Iterator[Proc]:
 
 @pytest.fixture(scope="module")
 def gw(module_tmp: Path, raw: Proc) -> Iterator[Gateway]:
-    config = {
-        "backends": [{"name": "raw", "url": raw.url, "pool": "short", "models": [MODEL]}],
-        "health": {"interval_s": 30, "failure_threshold": 1000},
-        "upstream": {"read_timeout_s": 5, "max_attempts": 1},
-        # Longer than the test: nothing leaves the window, whose age divides its tokens.
-        "measurement": {"window_s": 600},
-    }
-    gateway = start_gateway(module_tmp, config)
-    try:
-        yield gateway
-    finally:
-        gateway.proc.stop()
+    # Longer than the test: nothing leaves the window, whose age divides its tokens.
+    config = scripted_config(raw, measurement={"window_s": 600})
+    yield from served_gateway(module_tmp, config)
 
 
 def _paced(events: int, tokens: int, pause: float) -> list:

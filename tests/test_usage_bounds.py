@@ -14,7 +14,14 @@ import httpx
 import pytest
 
 from gateway.meter import MAX_TOKENS_PER_GAP, MAX_USAGE_TOKENS, Usage
-from tests.procs import Gateway, Proc, served, start_gateway, start_raw_sse
+from tests.procs import (
+    Gateway,
+    Proc,
+    scripted_config,
+    served,
+    served_gateway,
+    start_raw_sse,
+)
 from tests.raw_sse_backend import MODEL
 from tests.test_meter_fixes import delta, fed
 from tests.test_proxy_wire import new_id, record_of, requests_total
@@ -67,16 +74,7 @@ def raw(module_tmp: Path) -> Iterator[Proc]:
 
 @pytest.fixture(scope="module")
 def gw(module_tmp: Path, raw: Proc) -> Iterator[Gateway]:
-    config = {
-        "backends": [{"name": "raw", "url": raw.url, "pool": "short", "models": [MODEL]}],
-        "health": {"interval_s": 30, "failure_threshold": 1000},
-        "upstream": {"read_timeout_s": 5, "max_attempts": 1},
-    }
-    gateway = start_gateway(module_tmp, config)
-    try:
-        yield gateway
-    finally:
-        gateway.proc.stop()
+    yield from served_gateway(module_tmp, scripted_config(raw))
 
 
 def _whole(counts: dict[str, int]) -> list[list[Any]]:
