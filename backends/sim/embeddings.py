@@ -17,16 +17,17 @@ from typing import Any
 
 from backends.sim import prompt_list, wire
 from backends.sim.refusal import BadRequest
-from backends.sim.request_fields import Unreadable, validation_error
+from backends.sim.request_fields import Invalid, Unreadable, validation_error
 from backends.sim.tokenizer import CHAT_TOKENS_PER_REPLY, count_chat_tokens
 from backends.sim.validate import check_context, tokens_of
 
 EMBEDDING_DIM = 16
+_ENCODINGS = "'float', 'base64', 'bytes' or 'bytes_only'"  # vLLM's EncodingFormat
 
 
 def answer(payload: dict[str, Any], model: str, max_model_len: int) -> bytes:
     """The response body; :class:`BadRequest` for what vLLM answers 400."""
-    encoding = payload.get("encoding_format") or "float"
+    encoding = _encoding(payload)
     if "messages" in payload and "input" not in payload:
         items: list[str | list[int]] = [json.dumps(payload["messages"])]
         counts = [_chat_tokens(payload)]
@@ -35,6 +36,8 @@ def answer(payload: dict[str, Any], model: str, max_model_len: int) -> bytes:
         counts = [_counted(item) for item in items]
     for item, count in zip(items, counts, strict=True):
         check_context(max_model_len, count, exact=isinstance(item, list))
+    if 0 in counts:  # the engine's check, after the renderer's of every input
+        raise BadRequest("The decoder prompt cannot be empty")
     data = [
         {"object": "embedding", "embedding": _vector(item, encoding), "index": index}
         for index, item in enumerate(items)
@@ -49,8 +52,40 @@ def answer(payload: dict[str, Any], model: str, max_model_len: int) -> bytes:
     return wire.dumps(body)
 
 
+def _encoding(payload: dict[str, Any]) -> str:
+    """vLLM's ``encoding_format``. Its binary answers (``bytes``, ``bytes_only``) are not
+    simulated."""
+    encoding = payload.get("encoding_format", "float")
+    if encoding == "float" or encoding == "base64":
+        return str(encoding)
+    if encoding in ("bytes", "bytes_only"):
+        raise BadRequest(
+            f"encoding_format={encoding!r} (a binary body) is not simulated by kneecap sim",
+            "encoding_format",
+        )
+    raise validation_error(_encoding_errors(payload, encoding))
+
+
+def _encoding_errors(payload: dict[str, Any], encoding: object) -> tuple[Invalid, ...]:
+    """pydantic's errors for each branch of vLLM's union of embedding requests (text
+    input; one conversation; batched conversations; each of those two in ``input``),
+    when ``input`` is one string: only the first, for any other request."""
+    wrong = Invalid("literal_error", "body.encoding_format", encoding, {"expected": _ENCODINGS})
+    given = payload.get("input")
+    if not isinstance(given, str) or "messages" in payload:
+        return (wrong,)
+    no_messages = Invalid("missing", "body.messages", payload)
+    return (
+        wrong,
+        *(wrong, no_messages) * 2,
+        *(wrong, no_messages, Invalid("list_type", "body.input", given)),
+        *(wrong, no_messages),
+        Invalid("sequence_str", "body.input", given, {"type_name": "str"}),
+    )
+
+
 def _inputs(inputs: object) -> list[str | list[int]]:
-    if not isinstance(inputs, str | list) or not inputs:
+    if not isinstance(inputs, str | list) or inputs == []:
         raise BadRequest("input: field required", "input")
     if isinstance(inputs, str):
         return [inputs]

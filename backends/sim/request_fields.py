@@ -30,6 +30,9 @@ _PYDANTIC_SAYS = {
     "string_type": "Input should be a valid string",
     "list_type": "Input should be a valid list",
     "model_attributes_type": "Input should be a valid dictionary or object to extract fields from",
+    "dict_type": "Input should be a valid dictionary",
+    "literal_error": "Input should be {expected}",
+    "sequence_str": "'{type_name}' instances are not allowed as a Sequence value",
     "greater_than_equal": "Input should be greater than or equal to {ge}",
     "less_than_equal": "Input should be less than or equal to {le}",
     "too_long": "List should have at most {max_length} items after validation, not {actual_length}",
@@ -149,11 +152,102 @@ def _stream_options(value: object, loc: str) -> dict[str, bool | None]:
     return read_fields(value, _STREAM_OPTIONS_FIELDS)
 
 
+def _string(value: object, loc: str) -> str:
+    if not isinstance(value, str):
+        raise Unreadable(Invalid("string_type", loc, value))
+    return value
+
+
 def _messages(value: object, loc: str) -> list[Any]:
-    # Each message is counted, and refused if it cannot be, with the prompt (step 3).
+    # Only the first message no branch reads is reported; a message read here is counted,
+    # and refused if it cannot be, with the prompt (step 3).
     if not isinstance(value, list):
         raise Unreadable(Invalid("list_type", loc, value))
+    for index, message in enumerate(value):
+        if not _is_message(message):
+            raise Unreadable(_message_error(message, f"{loc}.{index}"))
     return value
+
+
+def _is_message(message: object) -> bool:
+    """Whether a branch of vLLM's message union reads it: any string ``role`` does (its
+    custom-role branch), with a ``content`` that is text, parts or nothing."""
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("role"), str)
+        and not isinstance(message.get("content"), int | float)
+    )
+
+
+def _message_error(message: object, loc: str) -> Invalid:
+    """The first of the errors pydantic reports for a message no branch of the union
+    reads: its first branch's (a developer message: ``content``, then ``role``). The
+    other branches' errors are not reproduced."""
+    first = f"{loc}.ChatCompletionDeveloperMessageParam"
+    if not isinstance(message, dict):
+        return Invalid("dict_type", first, message)
+    content = message.get("content", _ABSENT)
+    if content is _ABSENT:
+        return Invalid("missing", f"{first}.content", message)
+    if not isinstance(content, str | list | dict):
+        return Invalid("string_type", f"{first}.content", content)
+    if "role" not in message:
+        return Invalid("missing", f"{first}.role", message)
+    return Invalid("literal_error", f"{first}.role", message["role"], {"expected": "'developer'"})
+
+
+_ABSENT = object()
+_FORMAT_TYPES = "'text', 'json_object' or 'json_schema'"
+
+
+def _tools(value: object, loc: str) -> list[Any]:
+    """``list[ChatCompletionToolsParam]``: each an object with a ``function`` object
+    that has a string ``name``."""
+    if not isinstance(value, list):
+        raise Unreadable(Invalid("list_type", loc, value))
+    errors = []
+    for index, tool in enumerate(value):
+        at = f"{loc}.{index}"
+        if not isinstance(tool, dict):
+            errors.append(Invalid("model_attributes_type", at, tool))
+        elif "function" not in tool:
+            errors.append(Invalid("missing", f"{at}.function", tool))
+        elif not isinstance(function := tool["function"], dict):
+            errors.append(Invalid("model_attributes_type", f"{at}.function", function))
+        elif "name" not in function:
+            errors.append(Invalid("missing", f"{at}.function.name", function))
+        elif not isinstance(function["name"], str):
+            errors.append(Invalid("string_type", f"{at}.function.name", function["name"]))
+    if errors:
+        raise Unreadable(*errors)
+    return value
+
+
+def _response_format(value: object, loc: str) -> object:
+    """``ResponseFormat | StructuralTagResponseFormat | LegacyStructuralTagResponseFormat``:
+    pydantic reports why each branch refused it, in that order."""
+    if not isinstance(value, dict):
+        raise Unreadable(*(Invalid("model_attributes_type", loc, value) for _ in range(3)))
+    kind = value.get("type", _ABSENT)
+    if kind in ("text", "json_object", "json_schema"):
+        return value
+    if kind == "structural_tag":
+        return value  # its branches' own fields are not simulated
+    at = f"{loc}.type"
+    if kind is _ABSENT:
+        wrong_type = [Invalid("missing", at, value)] * 3
+    else:
+        wrong_type = [
+            Invalid("literal_error", at, kind, {"expected": _FORMAT_TYPES}),
+            *[Invalid("literal_error", at, kind, {"expected": "'structural_tag'"})] * 2,
+        ]
+    structural = [Invalid("missing", f"{loc}.format", value)] if "format" not in value else []
+    legacy = [
+        Invalid("missing", f"{loc}.{name}", value)
+        for name in ("structures", "triggers")
+        if name not in value
+    ]
+    raise Unreadable(wrong_type[0], wrong_type[1], *structural, wrong_type[2], *legacy)
 
 
 def _prompt(value: object, loc: str) -> Any:
@@ -177,15 +271,18 @@ class _Field:
     prefix: str = "body"
 
 
-# The sampling fields both request models end with, in the same order.
-_SAMPLING_FIELDS = (
-    _Field("presence_penalty", _number),
+# The sampling fields both request models end with, in the same order; chat declares
+# ``response_format`` and ``tools`` among them.
+_PRESENCE_PENALTY = _Field("presence_penalty", _number)
+_SAMPLING_UP_TO_TOP_P = (
     _Field("seed", _seed),
     _Field("stop", _stop),
     _Field("stream", _flag),
     _Field("stream_options", _stream_options),
     _Field("temperature", _number),
     _Field("top_p", _number),
+)
+_SAMPLING_FROM_TOP_K = (
     _Field("top_k", integer),
     _Field("min_p", _number),
     _Field("repetition_penalty", _number),
@@ -198,26 +295,34 @@ _SAMPLING_FIELDS = (
 # reports its errors in that order, and ``param`` is the first.
 CHAT_FIELDS = (
     _Field("messages", _messages, nullable=False, required=True),
+    _Field("model", _string),
     _Field("frequency_penalty", _number),
     _Field("logprobs", _flag),
     _Field("top_logprobs", integer),
     _Field("max_tokens", integer),
     _Field("max_completion_tokens", integer),
     _Field("n", integer),
-    *_SAMPLING_FIELDS,
+    _PRESENCE_PENALTY,
+    _Field("response_format", _response_format),
+    *_SAMPLING_UP_TO_TOP_P,
+    _Field("tools", _tools),
+    *_SAMPLING_FROM_TOP_K,
 )
 _STREAM_OPTIONS_FIELDS = (
     _Field("include_usage", _flag, prefix="body.stream_options"),
     _Field("continuous_usage_stats", _flag, prefix="body.stream_options"),
 )
 COMPLETION_FIELDS = (
+    _Field("model", _string),
     _Field("prompt", _prompt),
     _Field("echo", _flag),
     _Field("frequency_penalty", _number),
     _Field("logprobs", integer),
     _Field("max_tokens", integer),
     _Field("n", integer, nullable=False),
-    *_SAMPLING_FIELDS,
+    _PRESENCE_PENALTY,
+    *_SAMPLING_UP_TO_TOP_P,
+    *_SAMPLING_FROM_TOP_K,
 )
 
 

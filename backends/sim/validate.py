@@ -95,7 +95,10 @@ def read(payload: dict[str, Any], chat: bool, max_model_len: int) -> Asked:
     try:
         fields = read_fields(payload, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     except Unreadable as unreadable:
-        raise validation_error((*unread, *unreadable.errors)) from None  # prompt: first field
+        # the prompt is the second field, after the model
+        model = tuple(e for e in unreadable.errors if e.loc == "body.model")
+        rest = unreadable.errors[len(model) :]
+        raise validation_error((*model, *unread, *rest)) from None
     if unread:
         raise validation_error(unread)
     options = fields["stream_options"] or {}
@@ -213,9 +216,65 @@ def _messages_iterable(payload: dict[str, Any]) -> None:
         raise BadRequest(f"'{type(messages).__name__}' object is not iterable")
 
 
+_NAMED_TOOL = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
+def _tool_usage(payload: dict[str, Any]) -> None:
+    """``check_tool_usage``: a ``tool_choice`` other than "none" needs ``tools``, and a
+    named one must name one of them."""
+    tools = payload.get("tools")
+    if tools == []:
+        raise refused(
+            "`tools` must not be an empty array. "
+            "Either provide at least one tool or omit the field entirely.",
+            "tools",
+        )
+    choice = payload.get("tool_choice")
+    if choice is None or choice == "none":
+        return
+    if tools is None:
+        raise refused("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice in ("auto", "required"):
+        return
+    if not isinstance(choice, dict):
+        said = f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or '
+        raise refused(said + '"required" are supported.', "tool_choice")
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        said = f"Invalid value for `function`: `{function}` in `tool_choice`! "
+        raise refused(said + _NAMED_TOOL, "tool_choice.function")
+    if "name" not in function:
+        said = "Expected field `name` in `function` in `tool_choice`! "
+        raise refused(said + _NAMED_TOOL, "tool_choice.function.name")
+    name = function["name"]
+    if not isinstance(name, str) or not name:
+        said = f"Invalid `name` in `function`: `{name}` in `tool_choice`! "
+        raise refused(said + _NAMED_TOOL, "tool_choice.function.name")
+    try:  # vLLM indexes each tool unguarded, up to the match: its TypeError is a 400
+        matched = any(tool["function"]["name"] == name for tool in tools)
+    except TypeError as exc:
+        raise BadRequest(str(exc)) from None
+    if not matched:
+        message = "The tool specified in `tool_choice` does not match any of the specified `tools`"
+        raise refused(message, "tool_choice")
+
+
 def _stream_options_need_stream(payload: dict[str, Any]) -> None:
     if payload.get("stream_options") and not payload.get("stream"):
         raise refused("Stream options can only be defined when `stream=True`.", "stream_options")
+
+
+def _json_schema_given(payload: dict[str, Any]) -> None:
+    response_format = payload.get("response_format")
+    if (
+        isinstance(response_format, dict)
+        and response_format.get("type") == "json_schema"
+        and response_format.get("json_schema") is None
+    ):
+        message = (
+            "When response_format type is 'json_schema', the 'json_schema' field must be provided."
+        )
+        raise refused(message, "response_format")
 
 
 def _prompt_given(payload: dict[str, Any]) -> None:
@@ -258,7 +317,13 @@ def _completion_logprobs(payload: dict[str, Any]) -> None:
         raise refused("`logprobs` must be a positive value or -1.", "logprobs", logprobs)
 
 
-_CHAT_BEFORE = (_messages_iterable, _chat_logprobs, _stream_options_need_stream)
+_CHAT_BEFORE = (
+    _messages_iterable,
+    _tool_usage,
+    _chat_logprobs,
+    _stream_options_need_stream,
+    _json_schema_given,
+)
 _COMPLETION_BEFORE = (_prompt_given, _stream_options_need_stream, _completion_logprobs)
 
 
