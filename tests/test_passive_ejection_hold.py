@@ -45,9 +45,9 @@ def probe_rounds(proc: Proc, rounds: int) -> None:
 # --- through the gateway -------------------------------------------------------------
 
 
-def test_a_backend_failing_every_request_stays_out_while_its_health_says_200(
-    tmp_path: Path,
-) -> None:
+def failing_beside_a_good_one(tmp_path: Path) -> tuple[Proc, Proc, dict[str, Any]]:
+    """A sim, and a backend up by its /health that answers 500 to every request, which
+    the config tries first; two failures eject it, and every request has one attempt."""
     good = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
     bad = start_ops_backend(tmp_path, post_status=500)
     config = {
@@ -56,6 +56,13 @@ def test_a_backend_failing_every_request_stays_out_while_its_health_says_200(
         "upstream": {"max_attempts": 1},
         "routing": {"policy": "least_loaded"},  # deterministic: `bad` first on ties
     }
+    return good, bad, config
+
+
+def test_a_backend_failing_every_request_stays_out_while_its_health_says_200(
+    tmp_path: Path,
+) -> None:
+    good, bad, config = failing_beside_a_good_one(tmp_path)
     gw = start_gateway(tmp_path, config)
     try:
         with httpx.Client(base_url=gw.url, timeout=10) as client:
@@ -87,14 +94,7 @@ def test_a_backend_renamed_while_ejected_is_probed_afresh(tmp_path: Path) -> Non
     """A rename at the same URL makes the backend new to its probes, which requests for its
     model wait on; its ejection, kept, made every probe ignored for the whole hold, and
     those requests sat out their queue deadlines."""
-    good = start_sim(tmp_path, ttft_ms=1, itl_ms=1)
-    bad = start_ops_backend(tmp_path, post_status=500)
-    config = {
-        "backends": [backend("bad", bad.url), backend("good", good.url)],
-        "health": {"interval_s": 0.1, "failure_threshold": 2},
-        "upstream": {"max_attempts": 1},
-        "routing": {"policy": "least_loaded"},  # deterministic: `bad` first on ties
-    }
+    good, bad, config = failing_beside_a_good_one(tmp_path)
     gw = start_gateway(tmp_path, config)
     try:
         for _ in range(2):
