@@ -155,9 +155,9 @@ class StreamRelay:
         meter: StreamMeter,
         headers: dict[str, str],
         finisher: StreamFinisher,
-        kind: bytes | None = b"",  # b"": not read yet
+        kind: bytes | None,
     ) -> None:
-        """``kind``: the answer's :func:`content_type`, when the caller read it already."""
+        """``kind``: the answer's :func:`content_type`, read by the caller to choose this."""
         self.upstream = upstream
         self.meter = meter
         self.headers = headers
@@ -165,8 +165,6 @@ class StreamRelay:
         # An answer that says it is no SSE (NDJSON, text) has no events to time or strip,
         # and holding bytes back until a blank line would stop it streaming at all. Off
         # too while an event too long to hold is relayed as it comes (``_unframed``).
-        if kind == b"":
-            kind = content_type(upstream.raw_headers)
         self.events = is_event_stream(kind)
         if not self.events:
             meter.metered = False

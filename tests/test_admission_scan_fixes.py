@@ -42,6 +42,21 @@ def counted(pick: Callable[[], Backend | None], calls: list[int]) -> Callable[[]
     return counting
 
 
+async def wait_for(
+    adm: PoolAdmission[Backend], backend: Backend, done: anyio.Event | None = None
+) -> None:
+    """A request for ``backend`` alone, with a ``could_use`` of its own as the gateway
+    makes them; ``done`` is set once it is served."""
+    await adm.acquire(
+        first_with_room(backend),
+        priority=Priority.INTERACTIVE,
+        deadline=FAR,
+        could_use=only(backend),
+    )
+    if done is not None:
+        done.set()
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("ahead", [3, 8])
 async def test_a_release_serves_the_waiter_for_it_behind_many_for_a_busy_backend(
@@ -53,21 +68,11 @@ async def test_a_release_serves_the_waiter_for_it_behind_many_for_a_busy_backend
     b_holder = await adm.acquire(first_with_room(b), priority=Priority.INTERACTIVE, deadline=FAR)
     served_b = anyio.Event()
 
-    async def wait_for(backend: Backend, done: anyio.Event | None = None) -> None:
-        await adm.acquire(
-            first_with_room(backend),
-            priority=Priority.INTERACTIVE,
-            deadline=FAR,
-            could_use=only(backend),  # one per request, as the gateway makes them
-        )
-        if done is not None:
-            done.set()
-
     async with anyio.create_task_group() as tg:
         for _ in range(ahead):
-            tg.start_soon(wait_for, a)
+            tg.start_soon(wait_for, adm, a)
         await wait_all_tasks_blocked()
-        tg.start_soon(wait_for, b, served_b)
+        tg.start_soon(wait_for, adm, b, served_b)
         await wait_all_tasks_blocked()
         assert adm.depth() == ahead + 1
         b_holder.release(Outcome.SUCCESS)
@@ -83,21 +88,11 @@ async def test_notify_serves_the_waiter_behind_many_for_a_busy_backend() -> None
     await adm.acquire(first_with_room(a), priority=Priority.INTERACTIVE, deadline=FAR)
     served_b = anyio.Event()
 
-    async def wait_for(backend: Backend, done: anyio.Event | None = None) -> None:
-        await adm.acquire(
-            first_with_room(backend),
-            priority=Priority.INTERACTIVE,
-            deadline=FAR,
-            could_use=only(backend),
-        )
-        if done is not None:
-            done.set()
-
     async with anyio.create_task_group() as tg:
         for _ in range(8):
-            tg.start_soon(wait_for, a)
+            tg.start_soon(wait_for, adm, a)
         await wait_all_tasks_blocked()
-        tg.start_soon(wait_for, b, served_b)
+        tg.start_soon(wait_for, adm, b, served_b)
         await wait_all_tasks_blocked()
         b.limit = 1
         adm.notify()  # e.g. the controller raised b's limit

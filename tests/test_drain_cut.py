@@ -282,7 +282,7 @@ def cut_relay(body: Body, content_type: bytes = b"text/event-stream") -> tuple[S
     """A relay of ``body`` whose finisher logs what it records and releases."""
     log: list[str] = []
     upstream = UpstreamResponse(200, [(b"content-type", content_type)], body)  # type: ignore[arg-type]
-    return StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log)), log
+    return StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log), content_type), log
 
 
 def run_relay(relay: StreamRelay, drain: Drain, send: Any) -> None:

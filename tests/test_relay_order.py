@@ -56,7 +56,7 @@ class ResetAfterTheLastChunk(Body):
 
 def relay(log: list[str], body: Body) -> StreamRelay:
     upstream = UpstreamResponse(200, [(b"content-type", b"text/event-stream")], body)  # type: ignore[arg-type]
-    return StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log))
+    return StreamRelay(upstream, StreamMeter(started=0.0), {}, Finisher(log), b"text/event-stream")
 
 
 def test_permit_is_back_before_the_last_write() -> None:
