@@ -20,7 +20,7 @@ import anyio
 import httpx
 
 from backends.pool import BackendSet
-from backends.replica import Replica, install_rotations
+from backends.replica import OnEjection, Replica, install_rotations, uncounted
 from gateway.overload import GatewayOutOfResources, shortage_hint
 from gateway.settings import HealthConfig
 
@@ -69,8 +69,9 @@ async def probe_all(
     config: HealthConfig,
     on_change: Callable[[Replica], None],
     clock: Callable[[], float] = time.monotonic,
+    on_ejection: OnEjection = uncounted,
 ) -> None:
-    install_rotations(backends.replicas, config, clock)
+    install_rotations(backends.replicas, config, clock, on_ejection)
 
     async def one(replica: Replica) -> None:
         try:
@@ -103,6 +104,8 @@ async def probe_all(
             replica.readmitted(now)
         elif not ok and (was or first or ejected):
             log.warning("backend %s is DOWN: %s", replica.name, failure)
+            if was:  # out of rotation now; a new or an ejected one was not in it
+                on_ejection(replica.name, "probe_failed")
         replica.healthy = ok
         replica.probed = True
         if ok != was or first:  # requests queued for a new replica's first verdict hear it
@@ -121,17 +124,19 @@ class HealthProber:
         client: httpx.AsyncClient,
         current: Callable[[], tuple[BackendSet, HealthConfig]],
         on_change: Callable[[Replica], None],
+        on_ejection: OnEjection = uncounted,
     ) -> None:
         self._client = client
         self._current = current
         self._on_change = on_change
+        self._on_ejection = on_ejection
         self._wake = anyio.Event()
 
     def probe_soon(self) -> None:
         """A reload: the new snapshot's pools and knobs rule passive ejection from now, not
         from the next round (one in progress may take ``timeout_s``)."""
         backends, config = self._current()
-        install_rotations(backends.replicas, config)
+        install_rotations(backends.replicas, config, on_ejection=self._on_ejection)
         self._wake.set()
 
     async def run(self) -> None:
@@ -145,4 +150,6 @@ class HealthProber:
                 await self._wake.wait()
             self._wake = anyio.Event()
             backends, config = self._current()
-            await probe_all(self._client, backends, config, self._on_change)
+            await probe_all(
+                self._client, backends, config, self._on_change, on_ejection=self._on_ejection
+            )

@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from gateway.settings import BackendConfig, HealthConfig
 from gateway.window import RollingWindow
@@ -15,6 +15,18 @@ from gateway.window import RollingWindow
 log = logging.getLogger("kneecap.health")
 
 UNLIMITED = 1 << 30
+
+# Why a backend in rotation was taken out: its requests failed (passive ejection, here), or
+# its health probe did (backends/health.py).
+EjectionReason = Literal["failed_requests", "probe_failed"]
+EJECTION_REASONS: tuple[EjectionReason, ...] = get_args(EjectionReason)
+# Told the backend's name and why, at each ejection: the gateway counts them in its metrics,
+# which backends/ code does not import.
+OnEjection = Callable[[str, EjectionReason], None]
+
+
+def uncounted(backend: str, reason: EjectionReason) -> None:
+    """An :data:`OnEjection` for a rotation no gateway counts (one driven on its own)."""
 
 
 # The meters' clock (gateway/recording.py): a window's times are on it.
@@ -137,6 +149,7 @@ class Replica:
         self.ejected_until = now + held_s
         self.ejection_reason = f"{self.consecutive_failures} failed requests in a row"
         self.healthy = False  # the active probe says "up" again; this is its "DOWN"
+        rotation.on_ejection(self.name, "failed_requests")
         log.warning(
             "backend %s is DOWN (%s): ejected for %g s (ejection %d in a row)",
             self.name,
@@ -183,13 +196,15 @@ def ejections_in_a_row(previous: int, in_rotation_s: float, config: HealthConfig
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Rotation:
-    """One pool's replicas and the ejection knobs, shared by those replicas, so that a
-    failure decides an ejection where it is counted, with nothing to look up. The health
-    prober installs it at each round and at once on a reload (:func:`install_rotations`)."""
+    """One pool's replicas, the ejection knobs and whom to tell of an ejection, shared by
+    those replicas, so that a failure decides an ejection where it is counted, with nothing
+    to look up. The health prober installs it at each round and at once on a reload
+    (:func:`install_rotations`)."""
 
     replicas: tuple[Replica, ...]
     config: HealthConfig
     clock: Callable[[], float] = time.monotonic
+    on_ejection: OnEjection = uncounted
 
     def refusal(self, replica: Replica) -> str | None:
         """Why ``replica`` may not be ejected now, or None when it may (Envoy's
@@ -214,6 +229,7 @@ def install_rotations(
     replicas: tuple[Replica, ...],
     config: HealthConfig,
     clock: Callable[[], float] = time.monotonic,
+    on_ejection: OnEjection = uncounted,
 ) -> None:
     """Give each replica its pool's :class:`Rotation`; one whose pool and knobs are
     unchanged keeps its own, so a probe round builds nothing."""
@@ -228,9 +244,10 @@ def install_rotations(
             and current.replicas == pool
             and current.config == config
             and current.clock is clock
+            and current.on_ejection == on_ejection  # a bound method is new at each access
             and all(r.rotation is current for r in pool)
         ):
             continue
-        rotation = Rotation(pool, config, clock)
+        rotation = Rotation(pool, config, clock, on_ejection)
         for replica in pool:
             replica.rotation = rotation

@@ -171,7 +171,8 @@ def create_app(
 
         if drain is not None:
             drain.on_stop(close_admissions)
-        prober = HealthProber(own_client, health_view, runtime.notify)
+        count_ejection = runtime.metrics.observe_ejection
+        prober = HealthProber(own_client, health_view, runtime.notify, count_ejection)
         scrape_pacer = Pacer(lambda: runtime.current.settings.measurement.scrape_interval_s)
         control_pacer = Pacer(lambda: runtime.current.settings.admission.control_interval_s)
 
@@ -185,7 +186,13 @@ def create_app(
 
         runtime.on_reload = on_reload
         # One probe round before serving, so /ready and routing start informed.
-        await probe_all(own_client, runtime.current.backends, settings.health, runtime.notify)
+        await probe_all(
+            own_client,
+            runtime.current.backends,
+            settings.health,
+            runtime.notify,
+            on_ejection=count_ejection,
+        )
         try:
             async with anyio.create_task_group() as group:
                 scrape = partial(scrape_loop, own_client, scrape_view, scrape_pacer.sleep)

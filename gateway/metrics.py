@@ -17,7 +17,9 @@ queue-wait histogram included: it is observed for admitted requests only, when
 the backend is known; requests that never got one are counted in
 ``kneecap_rejected_requests_total{pool, reason}``. Gauges of a backend carry
 (backend, pool) so panels can group by pool; engine gauges carry backend only,
-since they restate the engine's own figures.
+since they restate the engine's own figures. Ejections carry (backend, reason);
+``backends/`` code, which imports no metrics, reports them through the callback
+the health prober installs (:meth:`GatewayMetrics.observe_ejection`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 
+from backends.replica import EJECTION_REASONS, EjectionReason
 from gateway.histogram import BulkHistogram
 from gateway.record import REJECT_REASONS, RejectReason, RequestRecord
 
@@ -157,6 +160,14 @@ class GatewayMetrics:
         self.retries = _counter(
             r, "kneecap_upstream_retries", "Attempts retried on another backend.", "backend"
         )
+        self.ejections = _counter(
+            r,
+            "kneecap_backend_ejections",
+            "Times a backend in rotation was taken out: failed_requests (passive ejection), "
+            "probe_failed (its health probe failed).",
+            "backend",
+            "reason",
+        )
         for result in ("ok", "error"):
             self.config_reloads.labels(result)
         self._per_request: tuple[Histogram | Counter, ...] = (
@@ -171,6 +182,7 @@ class GatewayMetrics:
         self._status: dict[tuple[str, str, str, str], Counter] = {}
         self._backend_pool: dict[str, str] = {}
         self._retries: dict[str, Counter] = {}
+        self._ejections: dict[tuple[str, EjectionReason], Counter] = {}
 
     # -- request path: once per request ---------------------------------------
 
@@ -203,6 +215,13 @@ class GatewayMetrics:
         if retries is None:
             retries = self._retries[backend] = self.retries.labels(backend)
         retries.inc()
+
+    def observe_ejection(self, backend: str, reason: EjectionReason) -> None:
+        """A backend in rotation was taken out. Counted only while the backend has series:
+        a late report on one whose series :meth:`remove_backend` dropped brings none back."""
+        ejections = self._ejections.get((backend, reason))
+        if ejections is not None:
+            ejections.inc()
 
     def observe_config_reload(self, ok: bool) -> None:
         self.config_reloads.labels("ok" if ok else "error").inc()
@@ -262,6 +281,9 @@ class GatewayMetrics:
         self.backend_up.labels(backend, pool).set(0)
         self.inflight.labels(backend, pool).set(0)
         self._retries.setdefault(backend, self.retries.labels(backend))
+        for reason in EJECTION_REASONS:  # at 0: increase() sees the first ejection
+            if (backend, reason) not in self._ejections:
+                self._ejections[backend, reason] = self.ejections.labels(backend, reason)
 
     def remove_backend(self, backend: str) -> None:
         """Drop every label set of a backend that left the configuration."""
@@ -278,6 +300,9 @@ class GatewayMetrics:
             for gauge in (self.backend_up, self.inflight, self.limit):
                 _remove_if_present(gauge, backend, pool)
         self._retries.pop(backend, None)
+        for reason in EJECTION_REASONS:
+            if self._ejections.pop((backend, reason), None) is not None:
+                self.ejections.remove(backend, reason)
         for metric in self._per_backend:
             _remove_if_present(metric, backend)
 
@@ -289,6 +314,7 @@ class GatewayMetrics:
             *(k[0] for k in self._series),
             *(k[0] for k in self._status),
             *self._retries,
+            *(backend for backend, _ in self._ejections),
         }
 
     def counted(self, backends: Iterable[str]) -> dict[str, float]:

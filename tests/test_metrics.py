@@ -25,6 +25,7 @@ EXPECTED = {
     "kneecap_queue_depth": "gauge",
     "kneecap_rejected_requests": "counter",
     "kneecap_backend_up": "gauge",
+    "kneecap_backend_ejections": "counter",
     "kneecap_engine_requests_running": "gauge",
     "kneecap_engine_requests_waiting": "gauge",
     "kneecap_engine_kv_cache_usage_ratio": "gauge",
