@@ -21,6 +21,12 @@ from gateway.settings import BackendConfig
 class BackendSet:
     replicas: tuple[Replica, ...] = ()
     _by_name: dict[str, Replica] = field(default_factory=dict, repr=False)
+    # Asked several times per request; a set's replicas and their pools never change.
+    _by_pool: dict[str, tuple[Replica, ...]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for replica in self.replicas:
+            self._by_pool[replica.pool] = (*self._by_pool.get(replica.pool, ()), replica)
 
     @classmethod
     def of(cls, replicas: Iterable[Replica]) -> BackendSet:
@@ -61,8 +67,8 @@ class BackendSet:
     def get(self, name: str) -> Replica | None:
         return self._by_name.get(name)
 
-    def in_pool(self, pool: str) -> list[Replica]:
-        return [r for r in self.replicas if r.pool == pool]
+    def in_pool(self, pool: str) -> tuple[Replica, ...]:
+        return self._by_pool.get(pool, ())
 
     def serving(self, model: str) -> list[Replica]:
         return [r for r in self.replicas if r.serves(model)]

@@ -7,6 +7,8 @@ from typing import Any
 
 from gateway.errors import InvalidRequest
 
+_DECODER = json.JSONDecoder()
+
 # What each endpoint cannot do without, besides `model`: one of these fields. vLLM takes a
 # completion's prompt as `prompt_embeds` too, and an embedding's input as chat `messages`.
 REQUIRED_FIELD = {
@@ -16,9 +18,18 @@ REQUIRED_FIELD = {
 }
 
 
+def utf8_object(body: bytes) -> bool:
+    """Whether the body is, by its first two bytes, a JSON object in UTF-8: what
+    ``json.detect_encoding`` reads of it (no BOM begins with ``{``; in UTF-16 and UTF-32
+    the next byte is 0), without its call and checks on every request's path."""
+    return body[:1] == b"{" and body[1:2] != b"\x00"
+
+
 def load_json(body: bytes) -> Any:
     """The body as JSON, or 400 ``invalid_json``."""
     try:
+        if utf8_object(body):  # as json.loads decodes bytes, less its encoding detection
+            return _DECODER.decode(body.decode("utf-8", "surrogatepass"))
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc

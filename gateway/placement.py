@@ -40,7 +40,7 @@ from policies.prompt_size import PromptShape, output_tokens, shape_of
 EMBEDDINGS = "/v1/embeddings"  # no output: its input may fill the context
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request, where frozen's __init__ costs 4x
 class Route:
     """Where one request may go and what it costs; fixed before admission."""
 

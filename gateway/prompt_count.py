@@ -47,7 +47,9 @@ async def count_prompt(
         return await anyio.to_thread.run_sync(
             runtime.routing.estimate_locally, model, shape, settings.routing
         )
-    return runtime.routing.estimate_locally(model, shape, settings.routing)
+    # Characters, by the model's calibration: what estimate_locally reads for every mode
+    # left here (chars; backend, when no backend counted; tokenizer, without one for it).
+    return runtime.routing.calibration.estimate_with_floor(model, shape)
 
 
 def _whole_batch_counted(runtime: Runtime, model: str, shape: PromptShape, count: int) -> Estimate:

@@ -18,7 +18,7 @@ from backends.replica import Replica
 from gateway.errors import Unavailable, UpstreamError, UpstreamTimeout
 from gateway.meter import StreamMeter
 from gateway.overload import GatewayOutOfResources, gateway_overloaded
-from gateway.placement import awaiting_probe, candidates, plan_route
+from gateway.placement import Route, awaiting_probe, candidates, plan_route
 from gateway.proxy_admit import NoRoomToRetry, admit, release_lease
 from gateway.proxy_finish import StreamFinisher, buffered, cancelled_status, status_of
 from gateway.proxy_request import (
@@ -44,6 +44,13 @@ async def _send(
     (cookies, redirects, auth, event hooks), nor an ``httpx.Request``."""
     timeouts = runtime.current.upstream_timeouts
     return await runtime.transport.post(url, fields, body, timeouts, on_wire=flight.mark_sent)
+
+
+def _any_left(runtime: Runtime, route: Route, tried: set[str]) -> bool:
+    """A replica not tried yet could take the request, now or once its first probe answers."""
+    if any(candidates(runtime, pool, route, tried) for pool in route.pools):
+        return True
+    return awaiting_probe(runtime, route, tried)
 
 
 async def proxy(
@@ -82,8 +89,9 @@ async def proxy(
     reached: Replica | None = None  # the last backend the request was written to
     max_attempts = settings.upstream.max_attempts
     for attempt in range(max_attempts):
-        left = sum(len(candidates(runtime, p, route, tried)) for p in route.pools)
-        if not left and not awaiting_probe(runtime, route, tried):
+        # A first attempt needs no count: planning found it candidates, and should they
+        # have gone since, its pick() plans again or refuses.
+        if attempt and not _any_left(runtime, route, tried):
             break
         try:
             lease = await admit(runtime, flight, route, priority, deadline, tried)
@@ -101,7 +109,6 @@ async def proxy(
         retried_from = last_replica
         replica = last_replica = lease.backend.backend
         tried.add(replica.name)
-        last_attempt = attempt == max_attempts - 1 or left == 1
         written, flight.sent = flight.sent, 0.0  # kept, should this attempt never go out
         try:
             upstream = await _send(
@@ -150,7 +157,8 @@ async def proxy(
         finally:
             if retried_from is not None:
                 runtime.recorder.retried(retried_from)
-        if upstream.status_code >= 500 and not last_attempt:
+        failed = upstream.status_code >= 500
+        if failed and attempt < max_attempts - 1 and _any_left(runtime, route, tried):
             release_lease(runtime, flight, lease, Outcome.DROPPED)
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
@@ -160,7 +168,7 @@ async def proxy(
             last_error = UpstreamError(f"backend {replica.name} answered {upstream.status_code}")
             failed_on = replica
             continue
-        if upstream.status_code >= 500:  # relayed, as no other replica is left to try
+        if failed:  # relayed, as no other replica is left to try
             replica.record_failure(settings.health.failure_threshold)
         # Otherwise the backend has not succeeded yet: its answer may still be cut or
         # stall. Success is recorded once the body is whole (buffered, StreamFinisher).

@@ -15,6 +15,7 @@ from typing import Any
 from backends.lax import lax_bool, lax_int
 from backends.replica import Replica
 from gateway.errors import InvalidRequest
+from gateway.payload import utf8_object
 from gateway.relay import HOP_BY_HOP, connection_options
 from gateway.settings import PoolConfig
 from gateway.upstream_identity import upstream_identity
@@ -155,6 +156,8 @@ def _as_utf8(body: bytes) -> bytes | None:
 
     ``json.loads`` accepted UTF-16 and UTF-32 too (RFC 8259 §8.1 lets a receiver); such a
     body, rare, is decoded and re-encoded. UTF-8, with or without a BOM, is kept as is."""
+    if utf8_object(body):
+        return body
     encoding = json.detect_encoding(body)
     if encoding.startswith("utf-8"):
         return body

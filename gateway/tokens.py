@@ -48,7 +48,7 @@ CHARS_PER_TOKEN_RANGE = (0.5, 16.0)
 MOST_CHARS_PER_TOKEN = 128
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request, where frozen's __init__ costs 4x
 class Estimate:
     tokens: int
     exact: bool  # counted by a tokenizer, not estimated from characters

@@ -22,6 +22,9 @@ class Headroom:
         self._rng = rng or random.Random()
 
     def choose(self, loads: Sequence[Load], request: RouteRequest) -> Load | None:
+        if len(loads) == 1:  # a pool of one replica: nothing to weigh it against
+            only = loads[0]
+            return only if only.fits(request.cost) else None
         scored = [(load.pressure(request.cost), load) for load in loads if load.fits(request.cost)]
         if not scored:
             return None

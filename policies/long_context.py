@@ -38,7 +38,7 @@ from policies.routing import Load, Router, RouteRequest
 FIRST_TOKEN = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request, where frozen's __init__ costs 4x
 class PoolPlan:
     home: str
     lenders: tuple[str, ...] = ()  # pools whose idle headroom it may borrow, nearest first
@@ -61,8 +61,8 @@ def plan_pools(
 ) -> PoolPlan | None:
     """The home pool among ``serving`` and its lenders; None when nothing serves."""
     names = [name for name in pools if name in serving]
-    if not names:
-        return None
+    if len(names) < 2:  # most models live in one pool: its home, and nothing to borrow
+        return PoolPlan(names[0]) if names else None
     # A range that holds it, the first in config order (ranges may overlap); else the
     # nearest range, and in a gap between two equally near ones the longer pool.
     holding = [n for n in names if _distance(pools[n], prompt_tokens) == 0]
@@ -105,7 +105,7 @@ def exceeds_every_context(
     return not any(fits_context(length, fewest_prompt, output_tokens) for length in context_lengths)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request, where frozen's __init__ costs 4x
 class ContextFit:
     """What a replica's context must hold for a request to go there: ``prompt`` tokens
     and ``output`` more."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request, where frozen's __init__ costs 4x
 class PromptShape:
     texts: tuple[str, ...]  # the text to tokenize: message contents, tools, prompts
     messages: int  # chat messages (each adds template overhead); 0 for completions
@@ -90,9 +90,15 @@ def shape_of(payload: Mapping[str, Any]) -> PromptShape:
         optional: list[str] = []
         media = False
         for message in messages:
-            if isinstance(message, Mapping):
-                texts += _content_texts(message.get("content"))
-                media = media or _has_media(message.get("content"))
+            # JSON's objects are dicts: the exact type is checked first, before the
+            # abstract class's slower check.
+            if type(message) is dict or isinstance(message, Mapping):
+                content = message.get("content")
+                if isinstance(content, str):  # the common case: plain text, no media
+                    texts.append(content)
+                else:
+                    texts += _content_texts(content)
+                    media = media or _has_media(content)
                 if message.get("tool_calls"):
                     optional.append(json.dumps(message["tool_calls"], ensure_ascii=False))
         if payload.get("tools"):

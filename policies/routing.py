@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request, where frozen's __init__ costs 4x
 class Load:
     """What a router may know of one backend at the moment of choice."""
 
@@ -66,7 +66,7 @@ class Load:
         return load
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request, where frozen's __init__ costs 4x
 class RouteRequest:
     cost: int  # prompt + max output tokens of each sequence: the KV it may come to hold
     session: str | None = None  # conversation key for affinity, if any

@@ -105,6 +105,20 @@ def test_headroom_skips_backends_without_room() -> None:
     assert router.choose(full, REQ) is None
 
 
+@pytest.mark.parametrize(
+    "only",
+    [
+        load("a"),
+        load("a", 10, 10),
+        load("a", 1, 10, tokens_in_flight=9_500, token_limit=10_000),
+        load("a", 1, 10, tokens_in_flight=8_000, token_limit=10_000),
+    ],
+)
+def test_headroom_with_one_backend_takes_it_exactly_when_it_fits(only: Load) -> None:
+    router = Headroom(rng=random.Random(0))
+    assert router.choose([only], REQ) is (only if only.fits(REQ.cost) else None)
+
+
 def test_least_loaded_is_deterministic() -> None:
     loads = [load("a", 3, 10), load("b", 1, 4), load("c", 1, 10)]
     assert LeastLoaded().choose(loads, REQ).name == "c"  # type: ignore[union-attr]
