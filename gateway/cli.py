@@ -139,6 +139,12 @@ def _host(text: str) -> str:
     return text
 
 
+def _model(text: str) -> str:
+    if not text.strip():  # `--model "$MODEL"` with MODEL unset: no client could name it
+        raise argparse.ArgumentTypeError("the model name is empty")
+    return text
+
+
 def _config_path(text: str) -> str:
     if not text.strip():  # `--config "$CFG"` with CFG unset: not a request for the embedded sims
         raise argparse.ArgumentTypeError("the config path is empty")
@@ -269,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim", help="run a simulated vLLM/SGLang backend")
     sim.add_argument("--host", type=_host, default="127.0.0.1")
     sim.add_argument("--port", type=_port, default=8100)
-    sim.add_argument("--model", default=DEFAULT_MODEL)
+    sim.add_argument("--model", type=_model, default=DEFAULT_MODEL)
     sim.add_argument("--profile", help="calibrated engine profile, e.g. qwen3-4b/l40s/bf16/vllm")
     fixed = "fixed {}, without a profile (default {:g})"
     sim.add_argument("--ttft-ms", type=_delay_ms, help=fixed.format("TTFT", DEFAULT_TTFT_MS))

@@ -28,6 +28,13 @@ def test_an_empty_host_is_refused(
     assert "argument --host: the address is empty" in said
 
 
+@pytest.mark.parametrize("model", ["", " "])
+def test_an_empty_sim_model_is_refused(capsys: pytest.CaptureFixture[str], model: str) -> None:
+    """``sim --model ""`` served a model no client could name (every request a 404)."""
+    said = refusal(capsys, "sim", "--model", model)
+    assert "argument --model: the model name is empty" in said
+
+
 def test_a_named_host_is_taken_as_given() -> None:
     assert build_parser().parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
     assert build_parser().parse_args(["serve"]).host is None  # the config's, later

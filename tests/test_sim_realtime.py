@@ -153,12 +153,24 @@ async def test_metrics_use_vllm_names_and_engine_seconds() -> None:
 
 async def test_sglang_metric_names() -> None:
     engine = RealtimeEngine(get_profile("qwen3-4b/l40s/awq/sglang"), speed=50.0)
+    await engine.start()
+    try:
+        async for _ in engine.generate(req("a", out=10)):
+            pass
+    finally:
+        await engine.aclose()
     text = engine.render_metrics().decode()
-    names = {f.name for f in text_string_to_metric_families(text)}
+    families = list(text_string_to_metric_families(text))
+    names = {f.name for f in families}
+    samples = {s.name: s.value for f in families for s in f.samples}
+    assert samples["sglang:prompt_tokens_total"] == 1024
+    assert samples["sglang:generation_tokens_total"] == 10
     assert names == {
         "sglang:num_running_reqs",
         "sglang:num_queue_reqs",
         "sglang:token_usage",
+        "sglang:prompt_tokens",
+        "sglang:generation_tokens",
         "sglang:time_to_first_token_seconds",
         "sglang:inter_token_latency_seconds",
         "sglang:e2e_request_latency_seconds",

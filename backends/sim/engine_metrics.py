@@ -64,6 +64,12 @@ FLAVORS: dict[EngineFlavor, FlavorNames] = {
                      0.06, 0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0),
         e2e_buckets=(0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0,
                      100.0, 200.0, 400.0, 800.0),
+        # SGLang's TokenizerMetricsCollector (docs: "Production Metrics"); it has no
+        # preemption counter of the same meaning.
+        counters=(
+            ("sglang:prompt_tokens_total", "prompt_tokens_total"),
+            ("sglang:generation_tokens_total", "generation_tokens_total"),
+        ),
     ),
 }  # fmt: skip
 
