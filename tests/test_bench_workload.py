@@ -127,6 +127,16 @@ def test_replayed_requests(tmp_path: Path) -> None:
     assert "max_completion_tokens" not in body and body["max_tokens"] == 3
 
 
+def test_a_replayed_chat_counts_its_tools_as_the_engine_does(tmp_path: Path) -> None:
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"q": "s" * 80}}}]
+    messages = [{"role": "user", "content": "x" * 400}]
+    path = tmp_path / "reqs.jsonl"
+    path.write_text(json.dumps({"messages": messages, "tools": tools}) + "\n")
+    spec = load_requests_file(path, output_tokens=10).spec(0)
+    assert spec.prompt_tokens == count_chat_tokens(messages, tools)
+    assert spec.prompt_tokens > count_chat_tokens(messages)
+
+
 def test_bad_requests_file_names_the_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok"}\n{"nothing": 1}\n')

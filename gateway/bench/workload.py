@@ -148,7 +148,7 @@ class ReplayWorkload:
 
 def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
     if isinstance(body.get("messages"), list):
-        return count_chat_tokens(body["messages"])
+        return count_chat_tokens(body["messages"], body.get("tools"))  # as the engine counts
     prompt = body.get("prompt")
     return count_text_tokens(prompt) if isinstance(prompt, str) else 0
 
