@@ -19,7 +19,10 @@ room is, so a dispatch after one asks only the waiters that could use that backe
 and stops at the first blocked one that could (in a pool whose requests all want
 the same backends: the head). ``notify()``, whose room may be anywhere, asks each
 kind of waiter once (an equal ``could_use``, or an equal ``could_use.kind()``: the
-gateway's is the replicas a request could use now).
+gateway's is the replicas a request could use now). A waiter that leaves unserved (its
+deadline passed, its client gone, the router refused it) no longer keeps those behind it
+off what it could use: its leaving serves them at once, by the same pass, unless the head
+stays and could use all it could (then nothing changed for anyone behind).
 Everything here runs on one event loop thread; all mutation is synchronous, so
 there are no await points at which the counts could tear.
 
@@ -277,12 +280,21 @@ class PoolAdmission(Generic[T]):
         self._next_expiry = float("inf")
         self._end_spell_if_idle(self._clock())
 
-    def _dispatch(self, now: float, *, room: T | None = None, past: bool = True) -> None:
+    def _dispatch(
+        self,
+        now: float,
+        *,
+        room: T | None = None,
+        past: bool = True,
+        gone: list[_Waiter[T]] | None = None,
+    ) -> None:
         """Serve heads while ``pick()`` finds room, then, ``past`` a blocked head, waiters
         that can go ahead. ``room``: the only backend with more room than at the last
-        dispatch (a release's), when that is known."""
+        dispatch (a release's), when that is known. ``gone``: waiters that left the queue
+        unserved since then; with this dispatch's own (expired, refused), they may have
+        kept waiters behind the head off backends with room all along."""
         if now >= self._next_expiry:
-            self._expire(now)
+            gone = [*(gone or ()), *self._expire(now)]
         while (waiter := self._queue.peek()) is not None:
             try:
                 backend = waiter.pick()
@@ -290,10 +302,13 @@ class PoolAdmission(Generic[T]):
                 self._queue.pop()
                 waiter.error = exc
                 waiter.event.set()
+                gone = [*(gone or ()), waiter]
                 continue
             if backend is None:
                 # The head cannot be served; a later waiter may only go ahead onto what
                 # no waiter before it could use.
+                if gone and _frees_more_than(waiter, gone):
+                    room, past = None, True  # any backend they could use: ask each kind
                 if past:
                     self._serve_past(waiter, now, room)
                 return
@@ -348,12 +363,15 @@ class PoolAdmission(Generic[T]):
         waiter.granted_at = now
         waiter.event.set()
 
-    def _expire(self, now: float) -> None:
-        for waiter in self._queue.remove_if(lambda w: w.deadline <= now):
+    def _expire(self, now: float) -> list[_Waiter[T]]:
+        """Refuse the waiters whose deadline has passed; they are returned."""
+        expired = self._queue.remove_if(lambda w: w.deadline <= now)
+        for waiter in expired:
             waiter.error = self._timeout(now - waiter.enqueued_at)
             waiter.event.set()
         self._next_expiry = min((w.deadline for w in self._queue), default=float("inf"))
         self._end_spell_if_idle(now)
+        return expired
 
     def _collect(self, waiter: _Waiter[T]) -> Lease[T]:
         if waiter.backend is not None:
@@ -363,7 +381,8 @@ class PoolAdmission(Generic[T]):
         # Timed out by anyio's timer before any dispatch noticed the deadline. Every
         # waiter overdue by now leaves in the same pass, so each one's Retry-After counts
         # the queue behind it, not the others leaving with it.
-        self._expire(max(self._clock(), waiter.deadline))
+        now, head = self._clock(), self._queue.peek()
+        self._after_leaving(now, head, self._expire(max(now, waiter.deadline)))
         assert waiter.error is not None
         raise waiter.error
 
@@ -377,8 +396,22 @@ class PoolAdmission(Generic[T]):
             waiter.backend = None
             self._dispatch(now, room=backend)
         else:
-            self._queue.remove(waiter, waiter.priority)
+            head = self._queue.peek()
+            if self._queue.remove(waiter, waiter.priority):
+                self._after_leaving(now, head, [waiter])
         self._end_spell_if_idle(now)
+
+    def _after_leaving(self, now: float, head: _Waiter[T] | None, gone: list[_Waiter[T]]) -> None:
+        """``gone`` left the queue unserved (deadline passed, client gone); ``head`` led it
+        before. Serve whom they held back: a new head, or waiters behind the head kept off
+        what they could use. Nothing changed for anyone if the head stays and could use
+        all they could (it keeps the rest off that still): the common pool's case."""
+        if self._closed or not gone:
+            return
+        now_head = self._queue.peek()
+        if now_head is None or (now_head is head and not _frees_more_than(head, gone)):
+            return
+        self._dispatch(now, past=False, gone=gone)
 
     def _take(self, backend: T) -> None:
         if self._busy_since is None:  # idle until now: a busy spell starts
@@ -446,6 +479,16 @@ class PoolAdmission(Generic[T]):
             waited=waited,
             retry_after=self.retry_after(),
         )
+
+
+def _frees_more_than(head: _Waiter[T], gone: Iterable[_Waiter[T]]) -> bool:
+    """Whether waiters that left kept others off a backend the blocked ``head`` does not:
+    one that could use something the head could not (or anything, naming nothing). A
+    ``head`` naming nothing keeps everyone behind it off everything by itself."""
+    if head.could_use is None:
+        return False
+    kind = _kind(head.could_use)
+    return any(w.could_use is None or _kind(w.could_use) != kind for w in gone)
 
 
 def _kind(could_use: Callable[[T], bool]) -> Hashable:
