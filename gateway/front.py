@@ -183,7 +183,7 @@ async def serve_proxied(scope: Scope, receive: Receive, send: Send) -> None:
         started=received,
         key_priority=key_priority,
     )
-    watch = reply.watch = DisconnectWatch(receive)
+    watch = reply.watch = runtime.disconnects.watch(receive)
     try:
         try:
             response = await proxy(runtime, request, scope.get(PIPELINED_SCOPE_KEY, 0.0))

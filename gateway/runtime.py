@@ -22,6 +22,7 @@ from backends.replica import EngineGauges, Replica
 from gateway.config_file import read_config_file
 from gateway.config_warnings import config_warnings
 from gateway.control import LimitLoop
+from gateway.disconnect import DisconnectWatches
 from gateway.metrics import GatewayMetrics
 from gateway.recording import Recorder
 from gateway.routing import RoutingState
@@ -99,6 +100,7 @@ class Runtime:
     on_reload: Callable[[], None] = lambda: None
     limits: LimitLoop = field(default_factory=LimitLoop)
     routing: RoutingState = field(default_factory=RoutingState)  # calibration, sessions
+    disconnects: DisconnectWatches = field(default_factory=DisconnectWatches)
     # Removed replicas still holding requests, however many reloads ago, several per name
     # when a reload re-addressed a backend: a backend added back at the URL of one before
     # it finishes gets that replica back, in-flight count included, so its limit holds.
