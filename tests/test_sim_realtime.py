@@ -116,15 +116,20 @@ async def test_concurrent_requests_share_steps_and_all_finish() -> None:
     assert engine.stats().generation_tokens_total == sum(counts.values())
 
 
-async def test_metrics_use_vllm_names_and_engine_seconds() -> None:
-    engine = make(20.0)
+async def metrics_after_one_request(engine: RealtimeEngine) -> str:
+    """The engine's /metrics text once it has served one 10-token request."""
     await engine.start()
     try:
         async for _ in engine.generate(req("a", out=10)):
             pass
     finally:
         await engine.aclose()
-    text = engine.render_metrics().decode()
+    return engine.render_metrics().decode()
+
+
+async def test_metrics_use_vllm_names_and_engine_seconds() -> None:
+    engine = make(20.0)
+    text = await metrics_after_one_request(engine)
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in (
         "vllm:num_requests_running",
@@ -153,13 +158,7 @@ async def test_metrics_use_vllm_names_and_engine_seconds() -> None:
 
 async def test_sglang_metric_names() -> None:
     engine = RealtimeEngine(get_profile("qwen3-4b/l40s/awq/sglang"), speed=50.0)
-    await engine.start()
-    try:
-        async for _ in engine.generate(req("a", out=10)):
-            pass
-    finally:
-        await engine.aclose()
-    text = engine.render_metrics().decode()
+    text = await metrics_after_one_request(engine)
     families = list(text_string_to_metric_families(text))
     names = {f.name for f in families}
     samples = {s.name: s.value for f in families for s in f.samples}
