@@ -319,13 +319,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _configure_logging(name: str) -> None:
     """``--log-level`` governs kneecap's own loggers as well as uvicorn's (set by its
-    config): both read the same names, ``trace`` being uvicorn's level below debug."""
+    config): both read the same names, ``trace`` being uvicorn's level below debug.
+
+    Other libraries log their warnings and errors only: their INFO and DEBUG lines (httpx's
+    line per upstream call, matplotlib's font cache on a first plot) are theirs to debug,
+    noise in a gateway's or a bench's output."""
     level = LOG_LEVELS[name]
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # A line (or, at debug, a dozen) per upstream call is noise. Set at warning on their
-    # own loggers, theirs would pass a stricter root level: it filters only its own records.
-    for noisy in ("httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, level))
+    logging.basicConfig(
+        level=max(logging.WARNING, level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("kneecap").setLevel(level)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ debug ones (the root logger was set to INFO whatever the flag said)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,3 +60,25 @@ def test_log_level_debug_shows_kneecap_debug_lines(tmp_path: Path, sim: Proc) ->
         assert any(" DEBUG kneecap.config: " in line for line in gw.output().splitlines())
     finally:
         gw.stop()
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_other_libraries_log_only_their_warnings(level: str) -> None:
+    """Set for kneecap, INFO on the root logger let every library's INFO lines through:
+    ``kneecap bench --plot`` on a first run printed matplotlib's font-cache line among its
+    own refusals (a CI run on a fresh virtualenv, where the cache did not exist yet)."""
+    script = (
+        "import logging; from gateway.cli import _configure_logging\n"
+        f"_configure_logging({level!r})\n"
+        "logging.getLogger('matplotlib.font_manager').info('their info')\n"
+        "logging.getLogger('httpx').debug('their debug')\n"
+        "logging.getLogger('matplotlib').warning('their warning')\n"
+        "logging.getLogger('kneecap.health').info('our info')\n"
+        "logging.getLogger('kneecap').debug('our debug')\n"
+    )
+    said = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stderr
+    assert "their info" not in said and "their debug" not in said
+    assert "their warning" in said and "our info" in said
+    assert ("our debug" in said) == (level == "debug")
