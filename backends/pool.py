@@ -25,8 +25,8 @@ class BackendSet:
     _by_pool: dict[str, tuple[Replica, ...]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        for replica in self.replicas:
-            self._by_pool[replica.pool] = (*self._by_pool.get(replica.pool, ()), replica)
+        for pool in dict.fromkeys(r.pool for r in self.replicas):  # in config order
+            self._by_pool[pool] = tuple(r for r in self.replicas if r.pool == pool)
 
     @classmethod
     def of(cls, replicas: Iterable[Replica]) -> BackendSet:
